@@ -1,0 +1,33 @@
+# Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+# Each creates .venv and installs the project into it when needed.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Quiet TensorFlow's C++ start-up logging for the demo and the tests.
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev,datasets]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/keras-replicator demo --replicas 2
+
+lint: $(STAMP)
+	$(BIN)/ruff check keras_replicator tests examples benchmarks
+
+test: $(STAMP) lint
+	$(BIN)/pytest -q --timeout=600 -m "not multi_worker"
+	# Exit code 5 means no multi-worker test was collected.
+	$(BIN)/pytest -q --timeout=600 -m multi_worker || test $$? -eq 5
+
+clean:
+	rm -rf $(VENV) build *.egg-info

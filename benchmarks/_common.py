@@ -1,0 +1,54 @@
+"""Shared pieces of the benchmarks: timing pairs and reporting ratios.
+
+The machine is noisy (two identical epochs on CPU replicas have differed by
+4x), so every benchmark alternates A and B runs and reports the median of the
+per-pair ratios with their min and max.
+"""
+
+import os
+import platform
+import statistics
+import time
+
+
+def machine() -> str:
+    return (
+        f"{platform.node()}: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    )
+
+
+def timed(fn):
+    """Runs fn() and returns (seconds, result). fn must block on its results."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def paired_ratios(run_a, run_b, pairs):
+    """Alternates A and B `pairs` times; returns rates and per-pair ratios.
+
+    run_a and run_b return a rate (higher is better) and must block until
+    their work is done.
+    """
+    rates_a, rates_b, ratios = [], [], []
+    for i in range(pairs):
+        # Alternate which goes first, so drift favours neither.
+        if i % 2:
+            b = run_b()
+            a = run_a()
+        else:
+            a = run_a()
+            b = run_b()
+        rates_a.append(a)
+        rates_b.append(b)
+        ratios.append(a / b)
+    return rates_a, rates_b, ratios
+
+
+def summary(name, ratios):
+    return (
+        f"{name}: median {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f}, "
+        f"{len(ratios)} pairs)"
+    )

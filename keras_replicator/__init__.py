@@ -1,0 +1,21 @@
+"""Replicator backends and cross-replica tools for Keras 3 on TensorFlow.
+
+Make ordinary Keras code run replicated with one change:
+
+    replicator = keras_replicator.auto()
+    with replicator.scope():
+        model = ...  # build and compile as usual
+    model.fit(...)
+"""
+
+from keras_replicator._src.devices import configure_cpu_replicas
+from keras_replicator._src.replicators.auto import auto
+from keras_replicator._src.replicators.local import LocalReplicator
+
+__version__ = "0.1.0.dev0"
+
+__all__ = (
+    "LocalReplicator",
+    "auto",
+    "configure_cpu_replicas",
+)

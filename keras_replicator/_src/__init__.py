@@ -1,0 +1,1 @@
+"""Implementation of keras_replicator. Private: import from the package root."""

@@ -1,0 +1,1 @@
+"""Replicator backends: one tf.distribute.Strategy subclass per topology."""

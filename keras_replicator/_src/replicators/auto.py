@@ -1,0 +1,66 @@
+"""auto(): picks the replicator for the hardware and cluster at hand."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tensorflow as tf
+
+from keras_replicator._src import devices as devices_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `auto()` would create, and why."""
+
+    backend: str
+    kwargs: dict[str, Any]
+    reason: str
+
+    def describe(self) -> str:
+        """One line: the call auto() makes, then why."""
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.backend}({args}): {self.reason}"
+
+
+def choose() -> Choice:
+    """Decides which backend `auto()` creates, without creating it.
+
+    The order is: TPU, then a cluster (TF_CONFIG or Slurm), then local GPUs,
+    then CPU replicas. Only the local backends exist so far.
+
+    Returns:
+        A `Choice`.
+    """
+    gpus = devices_lib.local_gpus()
+    if gpus:
+        return Choice(
+            "LocalReplicator",
+            {"num_replicas": len(gpus)},
+            f"found {len(gpus)} local GPU(s): {gpus}",
+        )
+    count = devices_lib.default_cpu_replicas()
+    return Choice(
+        "LocalReplicator",
+        {"num_replicas": count},
+        f"no GPU, TPU or cluster found; {count} CPU replica(s) from "
+        "KERAS_REPLICATOR_CPU_REPLICAS or the CPU core count (at most "
+        f"{devices_lib.MIN_LOGICAL_CPUS})",
+    )
+
+
+def auto() -> tf.distribute.Strategy:
+    """Creates the best replicator for this machine.
+
+    TPU > TF_CONFIG/Slurm cluster > local GPUs > CPU replicas. Run
+    `keras-replicator env` to see what it picks here, and why.
+
+    Returns:
+        A replicator (a `tf.distribute.Strategy` subclass).
+    """
+    from keras_replicator._src.replicators.local import LocalReplicator
+
+    backends = {"LocalReplicator": LocalReplicator}
+    choice = choose()
+    return backends[choice.backend](**choice.kwargs)

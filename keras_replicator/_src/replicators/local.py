@@ -1,0 +1,146 @@
+"""LocalReplicator: synchronous in-graph replication on one host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from keras_replicator._src import devices as devices_lib
+from keras_replicator._src.replicators import base
+
+
+class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
+    """Replicates Keras and TensorFlow code over the devices of one host.
+
+    The paper's `MultiGpuReplicator`: in-graph, synchronous data parallelism
+    over all local GPUs, or over `num_replicas` CPU replicas made from logical
+    CPU devices when the host has no GPU. It is a `tf.distribute.Strategy`, so
+    ordinary Keras code only needs `with replicator.scope():`.
+
+    CPU replicas need the CPU split into logical devices before TensorFlow
+    initialises. The replicator does that itself when it is created first
+    (it makes at least 8 logical CPUs, so later replicators in the same
+    process, as a notebook makes them, can use up to 8 replicas). When other
+    TensorFlow code ran first, call `keras_replicator.configure_cpu_replicas`
+    at start-up.
+
+    Replicators can be created again and again in one process, with the same
+    or other replica counts: each one uses its own collective keys.
+
+    Example:
+    ```python
+    replicator = kr.LocalReplicator(num_replicas=2)
+    with replicator.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
+    ```
+
+    Args:
+        num_replicas: The number of replicas. Defaults to all local GPUs, or
+            with no GPU, to `KERAS_REPLICATOR_CPU_REPLICAS` or the number of
+            CPU cores (at most 8).
+        devices: Device names such as `["/gpu:0", "/gpu:1"]` or
+            `["/cpu:0", "/cpu:1"]`, one per replica. Defaults to the first
+            `num_replicas` GPUs or logical CPUs.
+
+    Raises:
+        ValueError: If `num_replicas` is not a positive integer, disagrees
+            with `len(devices)`, asks for more GPUs than there are, or a
+            device does not exist here.
+        RuntimeError: If CPU replicas are wanted but TensorFlow already
+            initialised too few logical CPU devices.
+    """
+
+    def __init__(
+        self,
+        num_replicas: int | None = None,
+        devices: Sequence[str] | None = None,
+    ):
+        device_names = _resolve_devices(num_replicas, devices)
+        # Read by MirroredExtended; see base.next_collective_key_base.
+        self._collective_key_base = base.next_collective_key_base()
+        super().__init__(devices=device_names)
+
+
+def _resolve_devices(
+    num_replicas: int | None, devices: Sequence[str] | None
+) -> list[str]:
+    """Validates the arguments and returns one device name per replica."""
+    if num_replicas is not None and (
+        isinstance(num_replicas, bool)
+        or not isinstance(num_replicas, int)
+        or num_replicas < 1
+    ):
+        raise ValueError(
+            "`num_replicas` must be a positive integer or None. "
+            f"Received: num_replicas={num_replicas!r}"
+        )
+    if devices is not None:
+        if isinstance(devices, str) or not len(devices):
+            raise ValueError(
+                "`devices` must be a non-empty list of device names such as "
+                f"['/cpu:0', '/cpu:1']. Received: devices={devices!r}"
+            )
+        if num_replicas is not None and num_replicas != len(devices):
+            raise ValueError(
+                "`num_replicas` must equal the number of `devices` (one "
+                f"replica per device). Received: num_replicas={num_replicas}, "
+                f"devices={list(devices)!r} ({len(devices)} devices)"
+            )
+        return _check_devices_exist(devices)
+
+    gpus = devices_lib.local_gpus()
+    if gpus:
+        if num_replicas is not None and num_replicas > len(gpus):
+            raise ValueError(
+                f"This host has {len(gpus)} GPU(s), fewer than the replicas "
+                f"asked for. Received: num_replicas={num_replicas}"
+            )
+        return gpus[: num_replicas or len(gpus)]
+
+    count = num_replicas or devices_lib.default_cpu_replicas()
+    devices_lib.configure_cpu_replicas(count)
+    return [f"/device:CPU:{i}" for i in range(count)]
+
+
+def _check_devices_exist(devices: Sequence[str]) -> list[str]:
+    specs = []
+    for name in devices:
+        try:
+            spec = tf.DeviceSpec.from_string(name)
+        except (ValueError, TypeError):
+            spec = None
+        if spec is None or spec.device_type is None:
+            raise ValueError(
+                "Each device must be a device name such as '/gpu:0' or "
+                f"'/cpu:1'. Received: device={name!r}"
+            )
+        specs.append(spec)
+    cpu_indices = [
+        (s.device_index or 0) for s in specs if s.device_type.upper() == "CPU"
+    ]
+    if cpu_indices and max(cpu_indices) < devices_lib.MIN_LOGICAL_CPUS:
+        # CPU replicas: split the CPU before the runtime lists its devices.
+        devices_lib.configure_cpu_replicas(max(cpu_indices) + 1)
+    known = {
+        (d.device_type.upper(), tf.DeviceSpec.from_string(d.name).device_index)
+        for d in tf.config.list_logical_devices()
+    }
+    names = []
+    for name, spec in zip(devices, specs, strict=True):
+        key = (spec.device_type.upper(), spec.device_index or 0)
+        if key not in known:
+            available = sorted(f"/{t.lower()}:{i}" for t, i in known)
+            raise ValueError(
+                f"Device {name!r} does not exist on this host. Available: "
+                f"{available}. Received: device={name!r}"
+            )
+        names.append(f"/device:{key[0]}:{key[1]}")
+    if len(set(names)) != len(names):
+        raise ValueError(
+            "Each replica needs its own device; `devices` has duplicates. "
+            f"Received: devices={list(devices)!r}"
+        )
+    return names

@@ -1,0 +1,36 @@
+"""Shared test set-up: logical CPU devices, configured once, before TF starts.
+
+Every test that needs several CPU replicas gets them from here. Multi-worker
+tests start real subprocesses, which configure their own devices.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# The most replicas any in-process test uses.
+MAX_TEST_REPLICAS = 4
+
+
+def pytest_configure(config):
+    import keras_replicator as kr
+
+    # Must run before any test module touches TensorFlow's devices.
+    kr.configure_cpu_replicas(MAX_TEST_REPLICAS)
+
+
+def assert_weights_close(actual, expected, atol=1e-5):
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        np.testing.assert_allclose(
+            a, e, atol=atol, rtol=0, err_msg=f"weight {i} differs"
+        )
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

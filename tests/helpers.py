@@ -1,0 +1,27 @@
+"""Helpers shared by tests: models, data and single-device references."""
+
+import keras
+import numpy as np
+
+
+def conv_dense_model(batch_norm=None, num_classes=3):
+    """A small Conv + Dense classifier; `batch_norm` adds a BN layer."""
+    layers = [
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+    ]
+    if batch_norm is not None:
+        layers.append(batch_norm)
+    layers += [
+        keras.layers.Flatten(),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(num_classes, activation="softmax"),
+    ]
+    return keras.Sequential(layers)
+
+
+def classification_data(n=128, num_classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, num_classes, size=(n,)).astype("int32")
+    return x, y
