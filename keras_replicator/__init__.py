@@ -11,11 +11,13 @@ Make ordinary Keras code run replicated with one change:
 from keras_replicator._src.devices import configure_cpu_replicas
 from keras_replicator._src.replicators.auto import auto
 from keras_replicator._src.replicators.local import LocalReplicator
+from keras_replicator._src.replicators.multi_worker import MultiWorkerReplicator
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     "LocalReplicator",
+    "MultiWorkerReplicator",
     "auto",
     "configure_cpu_replicas",
 )

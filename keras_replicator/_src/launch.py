@@ -1,0 +1,227 @@
+"""`keras-replicator launch`: N local worker processes with TF_CONFIG.
+
+Each worker gets a TF_CONFIG naming every worker at `127.0.0.1:<free port>`
+(local launches never listen beyond loopback) and its own task index. Every
+output line is prefixed with the worker's name. When one worker fails, the
+launcher ends the others and exits with the failed worker's code; Ctrl-C (or
+SIGTERM) ends all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import TextIO
+
+from keras_replicator._src import cluster as cluster_lib
+
+LOOPBACK = "127.0.0.1"
+CPU_REPLICAS_ENV = "KERAS_REPLICATOR_CPU_REPLICAS"
+# Seconds between SIGTERM and SIGKILL when ending workers.
+_GRACE_SECONDS = 5.0
+
+
+def free_ports(count: int) -> list[int]:
+    """Returns `count` distinct TCP ports that are free on 127.0.0.1 now.
+
+    The sockets are held open together, so the ports differ; another
+    process may still take one before the worker binds it (callers retry).
+
+    Args:
+        count: How many ports, at least 1.
+
+    Returns:
+        A list of port numbers.
+    """
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            )
+            sock.bind((LOOPBACK, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def worker_environ(
+    ports: Sequence[int],
+    index: int,
+    replicas_per_worker: int | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment for worker `index` of a loopback cluster.
+
+    Args:
+        ports: One port per worker, in task order.
+        index: This worker's task index.
+        replicas_per_worker: If given, sets `KERAS_REPLICATOR_CPU_REPLICAS`
+            so each worker's `MultiWorkerReplicator()` makes that many CPU
+            replicas.
+        base: The environment to extend. Defaults to `os.environ`.
+
+    Returns:
+        A new environment dict with `TF_CONFIG` set.
+    """
+    env = dict(os.environ if base is None else base)
+    hosts = [f"{LOOPBACK}:{port}" for port in ports]
+    env["TF_CONFIG"] = cluster_lib.make_tf_config(hosts, index).to_json()
+    if replicas_per_worker is not None:
+        env[CPU_REPLICAS_ENV] = str(replicas_per_worker)
+    return env
+
+
+def launch(
+    command: Sequence[str],
+    workers: int,
+    replicas_per_worker: int | None = None,
+    ps: int = 0,
+    out: TextIO | None = None,
+) -> int:
+    """Runs `command` as `workers` local processes of one cluster.
+
+    Args:
+        command: The program and its arguments, e.g.
+            `["python", "train.py"]`.
+        workers: The number of worker processes, at least 1.
+        replicas_per_worker: CPU replicas per worker (see `worker_environ`).
+        ps: Parameter-server tasks. Only 0 is supported so far.
+        out: Where prefixed output goes. Defaults to `sys.stdout`.
+
+    Returns:
+        0 if every worker succeeded; else the exit code of the first worker
+        that failed (128 + N for a worker ended by signal N); 130 after
+        Ctrl-C.
+
+    Raises:
+        ValueError: If `command` is empty, or `workers` or `ps` is out of
+            range.
+    """
+    if not command:
+        raise ValueError(
+            "`launch` needs a command to run, e.g. `keras-replicator launch "
+            "--workers 2 -- python train.py`. Received: command=[]"
+        )
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(
+            "`workers` must be a positive integer. "
+            f"Received: workers={workers!r}"
+        )
+    if ps:
+        # TODO(multi-worker): parameter servers arrive with AsyncReplicator.
+        raise ValueError(
+            "Parameter-server tasks are not supported by `launch` yet. "
+            f"Received: ps={ps!r}"
+        )
+    out = out or sys.stdout
+    ports = free_ports(workers)
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        # Treat SIGTERM like Ctrl-C, so workers never outlive the launcher.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        for index in range(workers):
+            proc = subprocess.Popen(
+                list(command),
+                env=worker_environ(ports, index, replicas_per_worker),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                # Own process group: Ctrl-C reaches the launcher only, and
+                # ending a worker ends what it started.
+                start_new_session=True,
+            )
+            procs.append(proc)
+            pump = threading.Thread(
+                target=_pump,
+                args=(proc.stdout, f"[worker {index}] ", out, lock),
+                daemon=True,
+            )
+            pump.start()
+            pumps.append(pump)
+        code = _wait_all(procs, out, lock)
+    except KeyboardInterrupt:
+        _print(out, lock, "[launch] interrupted; ending all workers")
+        code = 130
+    finally:
+        _end_all(procs)
+        for pump in pumps:
+            pump.join(timeout=_GRACE_SECONDS)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    return code
+
+
+def _raise_interrupt(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt
+
+
+def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        _print(out, lock, prefix + raw.decode(errors="replace").rstrip("\n"))
+    stream.close()
+
+
+def _print(out: TextIO, lock: threading.Lock, line: str) -> None:
+    with lock:
+        out.write(line + "\n")
+        out.flush()
+
+
+def _exit_code(returncode: int) -> int:
+    # Popen reports death by signal N as -N; shells report 128 + N.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _wait_all(procs, out, lock) -> int:
+    while True:
+        running = False
+        for index, proc in enumerate(procs):
+            code = proc.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                _print(
+                    out,
+                    lock,
+                    f"[launch] worker {index} exited with code "
+                    f"{_exit_code(code)}; ending the other workers",
+                )
+                return _exit_code(code)
+        if not running:
+            return 0
+        time.sleep(0.1)
+
+
+def _end_all(procs: Sequence[subprocess.Popen]) -> None:
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_SECONDS
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

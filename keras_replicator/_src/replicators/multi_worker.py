@@ -1,0 +1,180 @@
+"""MultiWorkerReplicator: synchronous replication over worker processes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+from keras_replicator._src import cluster as cluster_lib
+from keras_replicator._src import devices as devices_lib
+from keras_replicator._src import keras_compat
+from keras_replicator._src.replicators import base
+
+_Extended = cars.CollectiveAllReduceExtended
+_CPU_REPLICAS_ENV = "KERAS_REPLICATOR_CPU_REPLICAS"
+
+
+class MultiWorkerReplicator(
+    base.ReplicatorMixin,
+    keras_compat.KerasCompatMixin,
+    tf.distribute.MultiWorkerMirroredStrategy,
+):
+    """Replicates Keras and TensorFlow code over worker processes.
+
+    The paper's `MultiWorkerReplicator`: between-graph, synchronous data
+    parallelism. Every worker process runs the same program; each holds
+    `replicas_per_worker` replicas (its GPUs, or logical CPU devices), and
+    gradients are all-reduced over every replica of every worker with
+    TensorFlow's collective ops over gRPC. It is a
+    `tf.distribute.MultiWorkerMirroredStrategy`, so ordinary Keras code only
+    needs `with replicator.scope():`; `model.fit`, `evaluate` and `predict`
+    work with Keras 3 (see `keras_compat`).
+
+    The cluster comes from `TF_CONFIG` (set by `keras-replicator launch`, by
+    Kubeflow's TFJob, or by hand), from Slurm, or from `cluster=`. Workers
+    must create their replicators in the same order: each replicator takes
+    the next block of collective keys, and the workers' blocks must match.
+
+    TensorFlow's gRPC cluster traffic is unauthenticated: keep the cluster on
+    a trusted network.
+
+    Args:
+        cluster: `None` to read `TF_CONFIG` (else Slurm), a TF_CONFIG JSON
+            string or dict, a `keras_replicator._src.cluster.ClusterConfig`,
+            or a `tf.distribute.cluster_resolver.ClusterResolver`.
+        replicas_per_worker: Replicas per worker process. Defaults to all
+            local GPUs, or with no GPU, to `KERAS_REPLICATOR_CPU_REPLICAS` if
+            set, else 1. Every worker must use the same number.
+        timeout_seconds: Bound on how long a collective (one all-reduce of a
+            step) may wait for its peers, and so on how long the survivors
+            wait once a worker dies. Defaults to 60. `None` waits forever.
+
+    Raises:
+        ValueError: If the cluster is missing or malformed (the message names
+            the bad TF_CONFIG field), or an argument is out of range.
+        TypeError: If `cluster` has an unsupported type.
+        RuntimeError: If CPU replicas are wanted but TensorFlow already
+            initialised too few logical CPU devices.
+    """
+
+    def __init__(
+        self,
+        cluster: Any = None,
+        replicas_per_worker: int | None = None,
+        timeout_seconds: float | None = 60,
+    ):
+        if replicas_per_worker is not None and (
+            isinstance(replicas_per_worker, bool)
+            or not isinstance(replicas_per_worker, int)
+            or replicas_per_worker < 1
+        ):
+            raise ValueError(
+                "`replicas_per_worker` must be a positive integer or None. "
+                f"Received: replicas_per_worker={replicas_per_worker!r}"
+            )
+        if timeout_seconds is not None and (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, (int, float))
+            or timeout_seconds <= 0
+        ):
+            raise ValueError(
+                "`timeout_seconds` must be a positive number or None. "
+                f"Received: timeout_seconds={timeout_seconds!r}"
+            )
+        resolver, config = cluster_lib.resolve(cluster)
+        if config.task_type not in ("chief", "worker"):
+            raise ValueError(
+                "MultiWorkerReplicator runs on the chief and worker tasks. "
+                f"Received: task.type={config.task_type!r}"
+            )
+        self._cluster_config = config
+        self._timeout_seconds = timeout_seconds
+        device_type, count = _local_devices(replicas_per_worker)
+        # Read by CollectiveAllReduceExtended; see
+        # base.next_collective_key_base.
+        self._collective_key_base = base.next_collective_key_base()
+        options = tf.distribute.experimental.CommunicationOptions(
+            timeout_seconds=timeout_seconds
+        )
+        _configure_coordination(config, timeout_seconds)
+        extended = _MultiWorkerExtended(
+            self, resolver, options, device_type=device_type, count=count
+        )
+        # Skip MultiWorkerMirroredStrategy.__init__: it builds its own
+        # extended object, which can only place one replica per CPU worker.
+        tf.distribute.Strategy.__init__(self, extended)
+
+    @property
+    def is_chief(self) -> bool:
+        """True on exactly one process: the chief, else worker 0."""
+        return self._cluster_config.is_chief
+
+    @property
+    def num_workers(self) -> int:
+        """The number of worker processes (chief included)."""
+        return self._cluster_config.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        """This process's index among the workers; the chief is 0."""
+        return self._cluster_config.worker_index
+
+    @property
+    def cluster_config(self) -> cluster_lib.ClusterConfig:
+        """The validated cluster this replicator belongs to."""
+        return self._cluster_config
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        """The collective timeout in seconds (None: no timeout)."""
+        return self._timeout_seconds
+
+
+class _MultiWorkerExtended(_Extended):
+    """Places `count` replicas of `device_type` on each worker."""
+
+    def __init__(self, container, resolver, options, device_type, count):
+        self._kr_device_type = device_type
+        self._kr_count = count
+        super().__init__(container, resolver, options)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        # TF places one replica per CPU worker (or one per GPU); CPU replicas
+        # on logical devices need their own list.
+        del cluster_resolver
+        devices = tuple(
+            f"{worker_device}/device:{self._kr_device_type}:{i}"
+            for i in range(self._kr_count)
+        )
+        return devices, self._kr_device_type
+
+
+def _local_devices(replicas_per_worker: int | None) -> tuple[str, int]:
+    gpus = devices_lib.local_gpus()
+    if gpus:
+        if replicas_per_worker is not None and replicas_per_worker > len(gpus):
+            raise ValueError(
+                f"This worker has {len(gpus)} GPU(s), fewer than the replicas "
+                "asked for. Received: "
+                f"replicas_per_worker={replicas_per_worker}"
+            )
+        return "GPU", replicas_per_worker or len(gpus)
+    if replicas_per_worker is None:
+        # One CPU replica per worker unless asked (`launch
+        # --replicas-per-worker` sets the variable): workers usually share
+        # hosts' cores already.
+        replicas_per_worker = (
+            devices_lib.default_cpu_replicas()
+            if os.environ.get(_CPU_REPLICAS_ENV)
+            else 1
+        )
+    devices_lib.configure_cpu_replicas(replicas_per_worker)
+    return "CPU", replicas_per_worker
+
+
+def _configure_coordination(config, timeout_seconds) -> None:
+    """Placeholder: the coordination service is configured by TF."""
+    del config, timeout_seconds

@@ -1,0 +1,279 @@
+"""Runs a worker script as N real processes on loopback, with TF_CONFIG.
+
+Use it for every 2-workers-x-K-replicas test. A test gives a worker script
+(a path, or Python source text); the harness picks free 127.0.0.1 ports,
+starts `num_workers` `python` subprocesses, each with its own `TF_CONFIG` and
+`KERAS_REPLICATOR_CPU_REPLICAS=replicas_per_worker` (so
+`kr.MultiWorkerReplicator()` splits each worker's CPU into that many
+replicas), waits at most `timeout` seconds, kills every worker on timeout or
+(by default) as soon as one fails, and returns one `WorkerResult` each.
+
+The worker writes its numbers with `write_result`, which puts JSON in the
+file named by `KERAS_REPLICATOR_RESULT`. Importing this module does not
+import TensorFlow, so worker scripts can use it cheaply.
+
+Example test (mark it `multi_worker`; each worker costs ~5-10 s of TF
+start-up on a small machine, so check several things in one run):
+
+```python
+from tests.multi_worker import harness
+
+WORKER = '''
+import keras_replicator as kr
+from tests.multi_worker import harness
+
+replicator = kr.MultiWorkerReplicator()
+value = replicator.reduce("SUM", replicator.run(lambda: 1.0), axis=None)
+harness.write_result({"sum": float(value)})
+'''
+
+@pytest.mark.multi_worker
+def test_sum_counts_every_replica():
+    results = harness.run_workers(WORKER, num_workers=2, replicas_per_worker=2)
+    assert [r.result["sum"] for r in results] == [4.0, 4.0]
+```
+
+`run_workers` raises `WorkerError` (with every worker's output) when a
+worker exits non-zero or times out, unless `check=False`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULT_ENV = "KERAS_REPLICATOR_RESULT"
+# Output that means another process grabbed a port between our pick and the
+# worker's bind; the harness then retries with new ports.
+_PORT_CLASH = ("Address already in use", "Failed to add port")
+
+
+@dataclasses.dataclass
+class WorkerResult:
+    """What one worker process did.
+
+    Attributes:
+        index: The worker's task index.
+        returncode: Its exit code (negative: killed by that signal; None:
+            still running when the harness gave up, then killed).
+        output: Its stdout and stderr, interleaved.
+        result: What it passed to `write_result`, or None.
+        timed_out: Whether the harness killed it at the timeout.
+    """
+
+    index: int
+    returncode: int | None
+    output: str
+    result: Any
+    timed_out: bool = False
+
+
+class WorkerError(AssertionError):
+    """A worker failed or timed out; the message holds every output."""
+
+
+def write_result(value: Any) -> None:
+    """Called in a worker: saves a JSON-able `value` for the test to read.
+
+    NumPy arrays and scalars are converted to lists and floats.
+
+    Args:
+        value: Any nest of dicts, lists, numbers, strings and NumPy values.
+    """
+    path = os.environ[RESULT_ENV]
+    with open(path, "w") as f:
+        json.dump(value, f, default=_to_json)
+
+
+def task_index() -> int:
+    """Called in a worker: its index in TF_CONFIG (0 if there is none)."""
+    config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
+    return int(config.get("task", {}).get("index", 0))
+
+
+def _to_json(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"Not JSON-serialisable: {value!r}")
+
+
+def free_ports(count: int) -> list[int]:
+    """Returns `count` distinct free TCP ports on 127.0.0.1."""
+    from keras_replicator._src import launch
+
+    return launch.free_ports(count)
+
+
+def worker_env(
+    ports: Sequence[int],
+    index: int,
+    replicas_per_worker: int,
+    result_path: str,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of worker `index`: TF_CONFIG and device settings."""
+    from keras_replicator._src import launch
+
+    out = launch.worker_environ(
+        ports, index, replicas_per_worker=replicas_per_worker
+    )
+    out.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    out["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), out.get("PYTHONPATH", "")) if p
+    )
+    out[RESULT_ENV] = result_path
+    out.update(env or {})
+    return out
+
+
+def run_workers(
+    script: str | os.PathLike,
+    num_workers: int = 2,
+    replicas_per_worker: int = 2,
+    timeout: float = 180,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+    kill_on_failure: bool = True,
+    attempts: int = 2,
+) -> list[WorkerResult]:
+    """Runs `script` as `num_workers` processes of one loopback cluster.
+
+    Args:
+        script: A path to a Python file, or Python source text.
+        num_workers: Worker processes (TF_CONFIG job "worker", 0 is chief).
+        replicas_per_worker: CPU replicas each worker's
+            `MultiWorkerReplicator()` makes by default.
+        timeout: Seconds until every worker still running is killed.
+        args: Command-line arguments for the script.
+        env: Extra environment variables for every worker.
+        check: Raise `WorkerError` unless every worker exits with 0.
+        kill_on_failure: Kill the others as soon as one exits non-zero.
+            Fault tests set False to watch how the survivors end.
+        attempts: Tries when a port was taken by someone else meanwhile.
+
+    Returns:
+        One `WorkerResult` per worker, in task order.
+
+    Raises:
+        WorkerError: If `check` and a worker failed or timed out.
+    """
+    with tempfile.TemporaryDirectory(prefix="kr_workers_") as tmp:
+        path = Path(script) if _is_path(script) else None
+        if path is None:
+            path = Path(tmp) / "worker.py"
+            path.write_text(str(script))
+        for attempt in range(attempts):
+            results = _run_once(
+                path,
+                num_workers,
+                replicas_per_worker,
+                timeout,
+                args,
+                env,
+                kill_on_failure,
+                Path(tmp),
+            )
+            clash = any(
+                marker in r.output for r in results for marker in _PORT_CLASH
+            )
+            if not clash or attempt == attempts - 1:
+                break
+    if check and any(r.returncode != 0 for r in results):
+        raise WorkerError(describe(results))
+    return results
+
+
+def _is_path(script) -> bool:
+    if isinstance(script, os.PathLike):
+        return True
+    return "\n" not in script and script.endswith(".py")
+
+
+def _run_once(
+    path, num_workers, replicas, timeout, args, env, kill_on_failure, tmp
+):
+    ports = free_ports(num_workers)
+    outputs = [tmp / f"out_{i}.txt" for i in range(num_workers)]
+    result_paths = [tmp / f"result_{i}.json" for i in range(num_workers)]
+    for p in result_paths:
+        p.unlink(missing_ok=True)
+    procs = []
+    try:
+        for i in range(num_workers):
+            with open(outputs[i], "w") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(path), *args],
+                        env=worker_env(
+                            ports, i, replicas, str(result_paths[i]), env
+                        ),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        cwd=str(REPO_ROOT),
+                        # Own process group: kill the worker and anything
+                        # it started.
+                        start_new_session=True,
+                    )
+                )
+        timed_out = _wait(procs, timeout, kill_on_failure)
+    finally:
+        for proc in procs:
+            _kill(proc)
+    results = []
+    for i, proc in enumerate(procs):
+        result = None
+        if result_paths[i].exists():
+            result = json.loads(result_paths[i].read_text())
+        results.append(
+            WorkerResult(
+                index=i,
+                returncode=proc.returncode,
+                output=outputs[i].read_text(errors="replace"),
+                result=result,
+                timed_out=timed_out[i],
+            )
+        )
+    return results
+
+
+def _wait(procs, timeout, kill_on_failure) -> list[bool]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [False] * len(procs)
+        if kill_on_failure and any(c not in (None, 0) for c in codes):
+            return [False] * len(procs)
+        time.sleep(0.1)
+    return [p.poll() is None for p in procs]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def describe(results: Sequence[WorkerResult], tail: int = 4000) -> str:
+    """Every worker's exit code and the end of its output, for errors."""
+    parts = []
+    for r in results:
+        state = "timed out" if r.timed_out else f"exit code {r.returncode}"
+        parts.append(f"--- worker {r.index}: {state} ---\n{r.output[-tail:]}")
+    return "\n".join(parts)
