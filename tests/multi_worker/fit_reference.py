@@ -7,6 +7,8 @@ each global batch over all replicas of all workers, so step t sees the same
 examples as step t of the single-process run.
 """
 
+import os
+
 import keras
 
 from tests import helpers
@@ -32,8 +34,18 @@ def data():
     return (x, y), (x_val, y_val)
 
 
-def file_callbacks(out_dir, replicator=None):
-    return []
+def file_callbacks(out_dir):
+    """Every file-writing Keras callback, writing under `out_dir`."""
+    return [
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(out_dir, "ckpt.weights.h5"), save_weights_only=True
+        ),
+        keras.callbacks.CSVLogger(os.path.join(out_dir, "log.csv")),
+        keras.callbacks.TensorBoard(os.path.join(out_dir, "tb")),
+        keras.callbacks.BackupAndRestore(
+            os.path.join(out_dir, "backup"), delete_checkpoint=False
+        ),
+    ]
 
 
 def train(model, callbacks=()):

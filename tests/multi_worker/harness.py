@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,6 +145,7 @@ def run_workers(
     timeout: float = 180,
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    env_for: Callable[[int], Mapping[str, str]] | None = None,
     check: bool = True,
     kill_on_failure: bool = True,
     attempts: int = 2,
@@ -158,6 +160,8 @@ def run_workers(
         timeout: Seconds until every worker still running is killed.
         args: Command-line arguments for the script.
         env: Extra environment variables for every worker.
+        env_for: A function of the worker index giving extra environment
+            variables for that worker only (e.g. its own `TMPDIR`).
         check: Raise `WorkerError` unless every worker exits with 0.
         kill_on_failure: Kill the others as soon as one exits non-zero.
             Fault tests set False to watch how the survivors end.
@@ -182,6 +186,7 @@ def run_workers(
                 timeout,
                 args,
                 env,
+                env_for,
                 kill_on_failure,
                 Path(tmp),
             )
@@ -202,7 +207,15 @@ def _is_path(script) -> bool:
 
 
 def _run_once(
-    path, num_workers, replicas, timeout, args, env, kill_on_failure, tmp
+    path,
+    num_workers,
+    replicas,
+    timeout,
+    args,
+    env,
+    env_for,
+    kill_on_failure,
+    tmp,
 ):
     ports = free_ports(num_workers)
     outputs = [tmp / f"out_{i}.txt" for i in range(num_workers)]
@@ -217,7 +230,11 @@ def _run_once(
                     subprocess.Popen(
                         [sys.executable, str(path), *args],
                         env=worker_env(
-                            ports, i, replicas, str(result_paths[i]), env
+                            ports,
+                            i,
+                            replicas,
+                            str(result_paths[i]),
+                            {**(env or {}), **(env_for(i) if env_for else {})},
                         ),
                         stdout=out,
                         stderr=subprocess.STDOUT,

@@ -28,11 +28,16 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(reference):
+    tmp = reference["tmp"]
+    for i in range(2):
+        (tmp / f"tmpdir_{i}").mkdir()
     return harness.run_workers(
         WORKER,
         num_workers=2,
         replicas_per_worker=2,
-        args=[str(reference["init"]), str(reference["tmp"] / "out")],
+        args=[str(reference["init"]), str(tmp / "out")],
+        # Each worker's own TMPDIR, to see what it writes there.
+        env_for=lambda i: {"TMPDIR": str(tmp / f"tmpdir_{i}")},
     )
 
 
@@ -71,3 +76,33 @@ def test_evaluate_and_predict_match_single_process(workers, reference):
         _assert_close(
             w.result["predictions"], reference["predictions"], "predictions"
         )
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+def test_only_the_chief_writes_files(workers, reference):
+    chief, other = workers
+    out = reference["tmp"] / "out"
+    names = sorted(
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()
+    )
+    assert "ckpt.weights.h5" in names
+    assert "log.csv" in names
+    assert "backup/latest.weights.h5" in names
+    events = [n for n in names if ".tfevents." in n]
+    # TensorBoard names event files after the writing process's pid.
+    assert events and all(f".{chief.result['pid']}." in n for n in events)
+    # CSV: one header and one row per epoch, not two writers' worth.
+    rows = (out / "log.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + fit_reference.EPOCHS
+    # The other worker did write (its saves join the collectives), but into
+    # its temporary directory, which is gone after fit.
+    assert chief.result["tmp_during_fit"] == [[]] * fit_reference.EPOCHS
+    during = other.result["tmp_during_fit"][-1]
+    assert any(n.endswith("ckpt.weights.h5") for n in during), during
+    assert any(n.endswith("log.csv") for n in during), during
+    assert other.result["tmp_after_fit"] == []
+    # And the callbacks' own paths are put back.
+    assert other.result["checkpoint_path_after_fit"] == str(
+        out / "ckpt.weights.h5"
+    )

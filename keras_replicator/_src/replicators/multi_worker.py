@@ -11,6 +11,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import devices as devices_lib
 from keras_replicator._src import keras_compat
+from keras_replicator._src.callbacks import chief_only
 from keras_replicator._src.replicators import base
 
 _Extended = cars.CollectiveAllReduceExtended
@@ -100,6 +101,8 @@ class MultiWorkerReplicator(
             timeout_seconds=timeout_seconds
         )
         _configure_coordination(config, timeout_seconds)
+        # Files and progress bars on the chief only; see chief_only.
+        chief_only.install()
         extended = _MultiWorkerExtended(
             self, resolver, options, device_type=device_type, count=count
         )

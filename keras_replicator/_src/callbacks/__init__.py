@@ -1,0 +1,1 @@
+"""Callback implementations: sync batch norm, metric reduction, chief-only."""

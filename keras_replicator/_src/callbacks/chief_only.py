@@ -1,0 +1,209 @@
+"""Side effects once per cluster: files and progress bars on the chief only.
+
+Under a multi-worker replicator every worker runs the same `model.fit`, so
+every `ModelCheckpoint`, `TensorBoard`, `CSVLogger` and `BackupAndRestore`
+would write, racing on the same paths (tensorflow/tensorflow#31070). The
+non-chief workers can't simply skip the writes: saving reads metric
+variables, which under a multi-worker strategy is a collective all workers
+must join. tf-keras solved this by letting non-chief workers write to a
+temporary directory (`distributed_file_utils`); Keras 3 dropped that.
+
+This module brings it back, with no change to user code. When
+`MultiWorkerReplicator` is created it installs a small, reversible hook on
+`keras.callbacks.CallbackList.__init__` (`install`/`uninstall`). The hook
+does nothing unless the model's strategy is one of our replicators and this
+process is not the chief; then it
+
+- points the file paths of the callbacks above at a fresh temporary
+  directory (`BackupAndRestore` first restores from the real backup, which
+  the chief wrote, then writes to the temporary one);
+- drops the progress bar;
+- at the end of fit/evaluate/predict (or at exit, after a crash) restores
+  the callbacks' paths and deletes the temporary directory.
+
+`tests/test_chief_only.py` checks the Keras signature and attributes this
+relies on, so a Keras upgrade that changes them fails loudly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import tempfile
+import threading
+
+import keras
+from keras.src.callbacks import callback_list
+
+from keras_replicator._src.replicators import base
+
+# Attributes holding each file-writing callback's output path.
+PATH_ATTRIBUTES = (
+    (keras.callbacks.ModelCheckpoint, ("filepath",)),
+    (keras.callbacks.CSVLogger, ("filename",)),
+    (keras.callbacks.TensorBoard, ("log_dir",)),
+)
+# BackupAndRestore derives these from `backup_dir` in its __init__.
+BACKUP_ATTRIBUTES = (
+    "backup_dir",
+    "_weights_path",
+    "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
+)
+
+_lock = threading.Lock()
+_original_init = None
+
+
+def install() -> None:
+    """Installs the CallbackList hook (idempotent)."""
+    global _original_init
+    with _lock:
+        if _original_init is not None:
+            return
+        _original_init = callback_list.CallbackList.__init__
+        callback_list.CallbackList.__init__ = _make_init(_original_init)
+
+
+def uninstall() -> None:
+    """Restores Keras's own `CallbackList.__init__`."""
+    global _original_init
+    with _lock:
+        if _original_init is None:
+            return
+        callback_list.CallbackList.__init__ = _original_init
+        _original_init = None
+
+
+def installed() -> bool:
+    """Whether the hook is installed."""
+    return _original_init is not None
+
+
+def _make_init(original):
+    @functools.wraps(original)
+    def __init__(
+        self,
+        callbacks=None,
+        add_history=False,
+        add_progbar=False,
+        model=None,
+        **params,
+    ):
+        strategy = getattr(model, "distribute_strategy", None)
+        if isinstance(strategy, base.ReplicatorMixin) and not (
+            strategy.is_chief
+        ):
+            callbacks = redirect(callbacks, strategy.worker_index)
+            add_progbar = False
+        original(
+            self,
+            callbacks,
+            add_history=add_history,
+            add_progbar=add_progbar,
+            model=model,
+            **params,
+        )
+
+    return __init__
+
+
+def redirect(callbacks, worker_index: int) -> list:
+    """Sends a non-chief worker's file writes to a temporary directory.
+
+    Args:
+        callbacks: The callbacks given to fit/evaluate/predict (a list, a
+            nest or None).
+        worker_index: This worker's index, used in the directory name.
+
+    Returns:
+        A new list: the callbacks without progress bars, their paths
+        pointed at a new temporary directory, plus the internal callbacks
+        that switch `BackupAndRestore` to it after restoring and that clean
+        up at the end.
+    """
+    flat = keras.tree.flatten(callbacks) if callbacks else []
+    flat = [c for c in flat if not isinstance(c, keras.callbacks.ProgbarLogger)]
+    tmp = tempfile.mkdtemp(prefix=f"keras_replicator_worker{worker_index}_")
+    cleanup = _Cleanup(tmp)
+    out = []
+    for i, callback in enumerate(flat):
+        out.append(callback)
+        slot = os.path.join(tmp, str(i))
+        # Keras creates some parent directories itself, CSVLogger doesn't.
+        os.makedirs(slot)
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            # Restore reads the chief's backup; only the writes move.
+            out.append(_RetargetBackup(callback, slot, cleanup))
+            continue
+        for cls, names in PATH_ATTRIBUTES:
+            if isinstance(callback, cls):
+                for name in names:
+                    cleanup.move(callback, name, _inside(slot, callback, name))
+    out.append(cleanup)
+    return out
+
+
+def _inside(slot: str, callback, name: str) -> str:
+    path = os.fspath(getattr(callback, name)).rstrip("/\\")
+    return os.path.join(slot, os.path.basename(path) or "out")
+
+
+class _Cleanup(keras.callbacks.Callback):
+    """Puts paths back and deletes the temporary directory at the end."""
+
+    def __init__(self, tmp: str):
+        super().__init__()
+        self._tmp = tmp
+        self._moved = []
+        self._training = False
+        # After a crash no *_end hook runs; still delete at exit.
+        self._at_exit = functools.partial(shutil.rmtree, tmp, True)
+        atexit.register(self._at_exit)
+
+    def move(self, callback, name: str, value: str) -> None:
+        """Sets `callback.<name>` to `value` until the end."""
+        self._moved.append((callback, name, getattr(callback, name)))
+        setattr(callback, name, value)
+
+    def _finish(self):
+        for callback, name, value in reversed(self._moved):
+            setattr(callback, name, value)
+        self._moved = []
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        atexit.unregister(self._at_exit)
+
+    def on_train_begin(self, logs=None):
+        self._training = True
+
+    def on_train_end(self, logs=None):
+        self._training = False
+        self._finish()
+
+    def on_test_end(self, logs=None):
+        # fit() runs validation through the same callbacks: not the end yet.
+        if not self._training:
+            self._finish()
+
+    def on_predict_end(self, logs=None):
+        self._finish()
+
+
+class _RetargetBackup(keras.callbacks.Callback):
+    """After `BackupAndRestore` restored, moves its writes to `slot`."""
+
+    def __init__(self, backup, slot: str, cleanup: _Cleanup):
+        super().__init__()
+        self._backup = backup
+        self._slot = slot
+        self._cleanup = cleanup
+
+    def on_train_begin(self, logs=None):
+        original = self._backup.backup_dir
+        for name in BACKUP_ATTRIBUTES:
+            value = os.fspath(getattr(self._backup, name))
+            moved = self._slot + value[len(os.fspath(original)) :]
+            self._cleanup.move(self._backup, name, moved)
