@@ -8,6 +8,7 @@ Make ordinary Keras code run replicated with one change:
     model.fit(...)
 """
 
+from keras_replicator import data
 from keras_replicator._src.devices import configure_cpu_replicas
 from keras_replicator._src.replicators.auto import auto
 from keras_replicator._src.replicators.local import LocalReplicator
@@ -20,4 +21,5 @@ __all__ = (
     "MultiWorkerReplicator",
     "auto",
     "configure_cpu_replicas",
+    "data",
 )

@@ -97,6 +97,109 @@ class ReplicatorMixin:
         _check_positive_int("per_replica_batch_size", per_replica_batch_size)
         return per_replica_batch_size * self.num_replicas_in_sync
 
+    def distribute(self, dataset_or_input_fn, global_batch_size, **options):
+        """Shards, shuffles and batches unbatched examples for this replicator.
+
+        See `keras_replicator.data.shard` for the arguments and semantics.
+
+        Args:
+            dataset_or_input_fn: A `tf.data.Dataset` of single examples, or a
+                function of a `tf.distribute.InputContext` returning one.
+            global_batch_size: Examples per step over all replicas.
+            **options: `shuffle_seed=None`, `static_shapes=None` (True on
+                TPU), `mode="train"` or `"eval"`, `shuffle_buffer_size`.
+
+        Returns:
+            A distributed dataset for `model.fit`, `model.evaluate` and
+            custom loops; in eval mode every example counts exactly once.
+        """
+        from keras_replicator._src import sharding
+
+        return sharding.distribute(
+            self, dataset_or_input_fn, global_batch_size, **options
+        )
+
+    def replicate(self, step_fn, input_fn, reduce="mean", steps_per_call=1):
+        """Compiles one replica's step to run on every replica in sync.
+
+        The TF-Replicator research API: write one replica, as on one device.
+        `input_fn(ctx)` gets a `tf.distribute.InputContext` and returns a
+        `tf.data.Dataset` of PER-REPLICA batches (shard it with
+        `ctx.input_pipeline_id` / `ctx.num_input_pipelines` and batch it with
+        `ctx.get_per_replica_batch_size(global_batch)`). `step_fn(batch)`
+        runs on each replica; inside it, use the cross-replica primitives
+        (`kr.all_reduce`, `kr.all_gather`, ...) and a `wrap_optimizer`
+        optimizer. Create variables under `replicator.scope()` beforehand.
+
+        Example:
+        ```python
+        step = replicator.replicate(step_fn, input_fn)
+        for _ in range(1000):
+            loss = step()  # mean over every replica of every worker
+        ```
+
+        Args:
+            step_fn: One replica's step: called with that replica's batch,
+                returns a tensor, a nest of tensors, or None.
+            input_fn: Called once per input pipeline (one per worker) with a
+                `tf.distribute.InputContext`; returns a `tf.data.Dataset`.
+            reduce: How outputs combine: `"mean"` or `"sum"` over all
+                replicas and workers, or None for a list with one output per
+                LOCAL replica, in replica order. Defaults to `"mean"`.
+            steps_per_call: Steps each call runs in one `tf.function` call
+                (outputs are the last step's). Defaults to 1.
+
+        Returns:
+            A callable; each call advances every replica and returns the
+            outputs.
+
+        Raises:
+            TypeError: If `step_fn` or `input_fn` is not callable, or
+                `input_fn` does not return a `tf.data.Dataset`.
+            ValueError: If `reduce` or `steps_per_call` is not supported.
+        """
+        from keras_replicator._src import replicate as replicate_lib
+
+        return replicate_lib.replicate(
+            self, step_fn, input_fn, reduce, steps_per_call
+        )
+
+    def wrap_optimizer(
+        self, optimizer, accumulation_steps=1, compression=None, **options
+    ):
+        """Wraps a Keras optimizer to average gradients over every replica.
+
+        In `step_fn` compute a plain per-replica mean loss (no division by
+        the replica count) and call `optimizer.apply_gradients(...)` as on
+        one device: gradients are averaged over all replicas and workers
+        once, in a few packed all-reduces, then applied. Under `model.fit`
+        it trains exactly like the unwrapped optimizer (see
+        `ReplicatedOptimizer`).
+
+        Args:
+            optimizer: A `keras.optimizers.Optimizer` created under
+                `replicator.scope()`. Use only the returned wrapper after.
+            accumulation_steps: Micro-batches accumulated locally before one
+                all-reduce and update. Defaults to 1.
+            compression: None, `"bf16"` or `"fp16"`: the dtype gradients
+                travel in during the all-reduce. Defaults to None.
+            **options: `bytes_per_pack`, the target size of one packed
+                all-reduce (default 32 MiB; 0 packs everything into one).
+
+        Returns:
+            A `ReplicatedOptimizer`, itself a `keras.optimizers.Optimizer`.
+
+        Raises:
+            TypeError: If `optimizer` is not a Keras optimizer.
+            ValueError: If an option is out of range, or `optimizer` was
+                created outside `replicator.scope()`.
+        """
+        from keras_replicator._src import optimizer as optimizer_lib
+
+        return optimizer_lib.wrap_optimizer(
+            self, optimizer, accumulation_steps, compression, **options
+        )
+
     def __repr__(self) -> str:
         devices = getattr(self.extended, "worker_devices", ())
         return (

@@ -1,0 +1,98 @@
+"""Exact Keras evaluation of padded batches: padding counts for nothing.
+
+With static shapes, the sharder pads the last evaluation batch and gives the
+padding sample weight 0. Stock Keras 3 (3.15) still counts the padding twice
+over in `evaluate`:
+
+* the loss tracker averages batch losses weighted by the batch *size*, and the
+  loss of a batch is divided by its size, padding included;
+* metrics passed as `metrics=` (not `weighted_metrics=`) never see the sample
+  weights at all (`CompileMetrics.update_state`).
+
+For models built under a replicator, the test step installed here treats an
+example with sample weight 0 as absent: the loss is averaged over real
+examples only, and unweighted metrics get the 0/1 mask as their weight. With
+no zero weights the numbers equal stock Keras; other models are untouched.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.losses import loss as loss_module
+from keras.src.trainers import trainer as base_trainer
+
+_stock_test_step = tf_trainer.TensorFlowTrainer.test_step
+
+
+def _exact_test_step(self, data):
+    from keras_replicator._src.replicators import base
+
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    compile_metrics = self._compile_metrics
+    if (
+        not isinstance(self.distribute_strategy, base.ReplicatorMixin)
+        or sample_weight is None
+        or tree.is_nested(sample_weight)
+        or type(self).compute_metrics
+        is not base_trainer.Trainer.compute_metrics
+    ):
+        return _stock_test_step(self, data)
+    if self._call_has_training_arg:
+        y_pred = self(x, training=False)
+    else:
+        y_pred = self(x)
+    loss = self._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+    )
+    present = tf.not_equal(sample_weight, 0)
+    if present.shape.rank and present.shape.rank > 1:
+        present = tf.reduce_any(
+            present, axis=list(range(1, present.shape.rank))
+        )
+    mask = tf.cast(present, "float32")
+    real = tf.reduce_sum(mask)
+    if self._loss_tracker is not None and loss is not None:
+        # Keras divided the summed loss by the batch size; re-average it over
+        # the real examples, and weight the batch by their number.
+        batch = tf.cast(tf.shape(mask)[0], "float32")
+        mean = loss_module.unscale_loss_for_distribution(
+            tf.cast(loss, "float32")
+        )
+        self._loss_tracker.update_state(
+            tf.math.divide_no_nan(mean * batch, real), sample_weight=real
+        )
+    if compile_metrics is not None:
+        _update_compile_metrics(compile_metrics, y, y_pred, sample_weight, mask)
+    return self.get_metrics_result()
+
+
+def _update_compile_metrics(compile_metrics, y, y_pred, sample_weight, mask):
+    """`CompileMetrics.update_state`, with the mask for unweighted metrics."""
+    if not compile_metrics.built:
+        compile_metrics.build(y, y_pred)
+    y_true = compile_metrics._flatten_y(y)  # noqa: SLF001
+    y_pred = compile_metrics._flatten_y(y_pred)  # noqa: SLF001
+    for metric, y_t, y_p in zip(
+        compile_metrics._flat_metrics,  # noqa: SLF001
+        y_true,
+        y_pred,
+        strict=False,
+    ):
+        if metric:
+            metric.update_state(y_t, y_p, sample_weight=mask)
+    for metric, y_t, y_p in zip(
+        compile_metrics._flat_weighted_metrics,  # noqa: SLF001
+        y_true,
+        y_pred,
+        strict=False,
+    ):
+        if metric:
+            metric.update_state(y_t, y_p, sample_weight=sample_weight)
+
+
+def install() -> None:
+    """Installs the exact test step (idempotent)."""
+    tf_trainer.TensorFlowTrainer.test_step = _exact_test_step

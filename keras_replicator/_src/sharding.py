@@ -1,0 +1,458 @@
+"""The dataset sharder: shards, shuffles and batches unbatched examples.
+
+`shard()` turns a dataset of single examples (or a function building one) into
+an input function for `tf.distribute.Strategy.distribute_datasets_from_function`
+that yields per-replica batches. It settles what users of `tf.distribute` get
+wrong by hand:
+
+* Global batch semantics: each replica gets `global_batch_size / replicas`.
+* Explicit sharding across input pipelines (workers, or TPU hosts): by file
+  when every pipeline gets at least one file, by element otherwise; never
+  `AutoShardPolicy.AUTO`'s silent fallback.
+* Equal step counts on every pipeline, so an uneven split never leaves one
+  worker waiting in a collective for another that has run out of data.
+* Static shapes (the TPU contract): training drops the remainder; evaluation
+  pads the last batch and masks the padding with sample weight 0.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+from typing import Union
+
+import tensorflow as tf
+
+from keras_replicator._src import exact_eval
+from keras_replicator._src import shard_sources
+
+_MODES = ("train", "eval")
+DEFAULT_SHUFFLE_BUFFER_SIZE = 10_000
+
+InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+Source = Union[tf.data.Dataset, InputFn]  # noqa: UP007
+
+
+def shard(
+    dataset_or_input_fn: Source,
+    global_batch_size: int,
+    *,
+    shuffle_seed: int | None = None,
+    static_shapes: bool | None = None,
+    mode: str = "train",
+    shuffle_buffer_size: int = DEFAULT_SHUFFLE_BUFFER_SIZE,
+) -> ShardedInput:
+    """Makes an input function that shards, shuffles and batches examples.
+
+    The result is what `strategy.distribute_datasets_from_function` and
+    `replicator.replicate` take; `replicator.distribute(...)` wraps it into a
+    distributed dataset for `model.fit` and `model.evaluate`.
+
+    In eval mode every element becomes `(x, y, sample_weight)`: the
+    example's own weight (or 1) for real examples, 0 for padding. Under a
+    replicator, Keras `evaluate` then counts every example exactly once for
+    the loss and every compiled metric, weighted or not; custom loops must
+    weight by `sample_weight` themselves.
+
+    Example:
+    ```python
+    replicator = kr.LocalReplicator(2)
+    examples = tf.data.Dataset.range(10).map(lambda i: (float(i), i % 2))
+    input_fn = kr.data.shard(examples, global_batch_size=4)
+    batches = replicator.distribute_datasets_from_function(input_fn)
+    ```
+
+    Args:
+        dataset_or_input_fn: A `tf.data.Dataset` of single, unbatched
+            examples in a deterministic order, or a function taking a
+            `tf.distribute.InputContext` and returning one. If the function
+            reads `ctx.input_pipeline_id` or `ctx.num_input_pipelines` (as
+            `tfds.load` does with `tfds.ReadConfig(input_context=ctx)`) it is
+            trusted to shard its dataset itself; otherwise its dataset is
+            sharded here, like a dataset.
+        global_batch_size: Examples per step over all replicas and workers.
+        shuffle_seed: Shuffles training examples (within each input
+            pipeline's shard) with this seed: the same order on every run, a
+            different order each epoch. `None` (default) keeps the dataset's
+            order. Eval mode never shuffles.
+        static_shapes: Every batch gets a fully known static shape: training
+            drops the last partial batch, evaluation pads it. Defaults to
+            `True` under a `TPUStrategy` (the strategy in scope when `shard`
+            is called), else `False`.
+        mode: `"train"` or `"eval"`. Defaults to `"train"`.
+        shuffle_buffer_size: Shuffle buffer, in examples. Defaults to 10,000.
+
+    Returns:
+        A `ShardedInput`: a callable `input_fn(ctx) -> tf.data.Dataset` of
+        per-replica batches.
+
+    Raises:
+        ValueError: If `mode` is unknown, a size is not a positive integer,
+            or `global_batch_size` is not divisible by the replicas of the
+            strategy in scope.
+        TypeError: If `dataset_or_input_fn` is neither a dataset nor callable.
+    """
+    if mode not in _MODES:
+        raise ValueError(
+            f"`mode` must be one of {_MODES}. Received: mode={mode!r}"
+        )
+    _check_positive_int("global_batch_size", global_batch_size)
+    _check_positive_int("shuffle_buffer_size", shuffle_buffer_size)
+    if shuffle_seed is not None and (
+        isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)
+    ):
+        raise TypeError(
+            "`shuffle_seed` must be an integer or None. "
+            f"Received: shuffle_seed={shuffle_seed!r}"
+        )
+    if not isinstance(dataset_or_input_fn, tf.data.Dataset) and not callable(
+        dataset_or_input_fn
+    ):
+        raise TypeError(
+            "`dataset_or_input_fn` must be a tf.data.Dataset or a function "
+            "taking a tf.distribute.InputContext. Received: "
+            f"dataset_or_input_fn={dataset_or_input_fn!r}"
+        )
+    strategy = tf.distribute.get_strategy()
+    _check_divisible(global_batch_size, strategy.num_replicas_in_sync)
+    if static_shapes is None:
+        static_shapes = isinstance(strategy, tf.distribute.TPUStrategy)
+    if mode == "eval":
+        # So that Keras `evaluate` leaves the padding out; see exact_eval.
+        exact_eval.install()
+    return ShardedInput(
+        dataset_or_input_fn,
+        global_batch_size,
+        shuffle_seed=shuffle_seed,
+        static_shapes=bool(static_shapes),
+        mode=mode,
+        shuffle_buffer_size=shuffle_buffer_size,
+    )
+
+
+class ShardedInput:
+    """An input function of per-replica batches; made by `shard()`.
+
+    Call it with a `tf.distribute.InputContext` (as
+    `distribute_datasets_from_function` does, once per input pipeline) to
+    get that pipeline's dataset. Every pipeline yields the same number of
+    steps.
+
+    Attributes:
+        global_batch_size: Examples per step over all replicas.
+        mode: `"train"` or `"eval"`.
+        static_shapes: Whether every batch has a fully known static shape.
+        shuffle_seed: The shuffle seed, or `None` for the dataset's order.
+        steps_per_epoch: Steps of one pass, once a pipeline is built, when
+            known (static shapes or padding, and a countable dataset).
+        policies: How the source was split, by number of pipelines:
+            `"file"`, `"element"` or `"input_fn"` (the function sharded).
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        global_batch_size: int,
+        *,
+        shuffle_seed: int | None,
+        static_shapes: bool,
+        mode: str,
+        shuffle_buffer_size: int,
+    ):
+        self._source = source
+        self.global_batch_size = global_batch_size
+        self.shuffle_seed = shuffle_seed
+        self.static_shapes = static_shapes
+        self.mode = mode
+        self._buffer = shuffle_buffer_size
+        # Examples per pipeline, by pipeline count; counted once and shared
+        # by every call (TPU pods build every host's pipeline in one process).
+        self._counts: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+        self.policies: dict[int, str] = {}
+        self.steps_per_epoch: int | None = None
+
+    def __call__(self, ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        """Builds one input pipeline's dataset of per-replica batches.
+
+        Args:
+            ctx: The pipeline's `tf.distribute.InputContext`.
+
+        Returns:
+            A `tf.data.Dataset` of per-replica batches.
+
+        Raises:
+            ValueError: If the global batch size does not divide over the
+                replicas, or (in static-shape or multi-pipeline eval mode)
+                examples have no fully known shape.
+            TypeError: If an eval-mode example is not `(x, y)` or
+                `(x, y, sample_weight)`.
+        """
+        replicas = ctx.num_replicas_in_sync
+        pipelines = ctx.num_input_pipelines
+        _check_divisible(self.global_batch_size, replicas)
+        if replicas % pipelines:
+            raise ValueError(
+                "Every input pipeline must feed the same number of replicas. "
+                f"Received: num_replicas_in_sync={replicas}, "
+                f"num_input_pipelines={pipelines}"
+            )
+        per_replica = self.global_batch_size // replicas
+        per_pipeline = per_replica * (replicas // pipelines)
+        dataset = self._pipeline_source(ctx.input_pipeline_id, ctx)
+        padded = self.mode == "eval" and (self.static_shapes or pipelines > 1)
+        _check_element_spec(dataset.element_spec, self.mode, padded)
+        if self.static_shapes:
+            _check_fully_defined(dataset.element_spec)
+
+        steps = None
+        if pipelines > 1:
+            counts = self._pipeline_counts(ctx)
+            steps = _equal_steps(counts, per_pipeline, self.mode)
+        elif int(dataset.cardinality()) >= 0:
+            # Known for free: lets `take` end the padding, and Keras know the
+            # number of steps (no "ran out of data" warning).
+            examples = int(dataset.cardinality())
+            if self.mode == "train" and self.static_shapes:
+                steps = examples // per_pipeline
+            else:
+                steps = math.ceil(examples / per_pipeline)
+        if self.mode == "train":
+            dataset = self._train_batches(
+                dataset, per_pipeline, steps if pipelines > 1 else None
+            )
+        else:
+            dataset = _eval_batches(dataset, per_pipeline, steps, padded)
+        whole_steps = self.static_shapes or padded
+        self.steps_per_epoch = steps if whole_steps else None
+        if per_pipeline != per_replica:
+            # The pipeline batches a whole step first so that every local
+            # replica gets a batch on every step, then splits it.
+            dataset = dataset.rebatch(per_replica, drop_remainder=whole_steps)
+        if steps is not None and whole_steps:
+            dataset = dataset.apply(
+                tf.data.experimental.assert_cardinality(
+                    steps * (per_pipeline // per_replica)
+                )
+            )
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def _pipeline_source(
+        self, pipeline_id: int, ctx: tf.distribute.InputContext
+    ) -> tf.data.Dataset:
+        """One pipeline's shard of unbatched examples."""
+        num = ctx.num_input_pipelines
+        if isinstance(self._source, tf.data.Dataset):
+            dataset, policy = shard_sources.shard_source(
+                self._source, num, pipeline_id
+            )
+        else:
+            recorder = _RecordingContext(
+                num, pipeline_id, ctx.num_replicas_in_sync
+            )
+            dataset = self._source(recorder)
+            if not isinstance(dataset, tf.data.Dataset):
+                raise TypeError(
+                    "The input function must return a tf.data.Dataset of "
+                    f"unbatched examples. Received: {dataset!r}"
+                )
+            if recorder.read_pipeline:
+                policy = "input_fn"
+            else:
+                dataset, policy = shard_sources.shard_source(
+                    dataset, num, pipeline_id
+                )
+        self.policies[num] = policy
+        options = tf.data.Options()
+        # Sharded here already: nothing downstream may shard again.
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF
+        )
+        options.deterministic = True
+        return dataset.with_options(options)
+
+    def _pipeline_counts(self, ctx: tf.distribute.InputContext) -> list[int]:
+        """Examples in every pipeline's shard (cached per pipeline count)."""
+        num = ctx.num_input_pipelines
+        with self._lock:
+            if num not in self._counts:
+                self._counts[num] = [
+                    _count(self._pipeline_source(i, ctx)) for i in range(num)
+                ]
+            return self._counts[num]
+
+    def _train_batches(
+        self, dataset: tf.data.Dataset, batch: int, steps: int | None
+    ) -> tf.data.Dataset:
+        if self.shuffle_seed is not None:
+            dataset = dataset.shuffle(
+                self._buffer,
+                seed=self.shuffle_seed,
+                reshuffle_each_iteration=True,
+            )
+        if steps is None:
+            return dataset.batch(batch, drop_remainder=self.static_shapes)
+        # Equal steps everywhere: a short shard wraps around (reshuffled).
+        return dataset.repeat().batch(batch, drop_remainder=True).take(steps)
+
+
+def _eval_batches(
+    dataset: tf.data.Dataset, batch: int, steps: int | None, padded: bool
+) -> tf.data.Dataset:
+    """Batches `(x, y[, w])` into `(x, y, w)`, padding with weight 0."""
+    spec = dataset.element_spec
+    dataset = dataset.map(lambda *example: (example, True))
+    if padded:
+        filler = tf.nest.map_structure(_zeros, spec)
+        dataset = dataset.concatenate(
+            tf.data.Dataset.from_tensors((tuple(filler), False)).repeat()
+        )
+    dataset = dataset.batch(batch, drop_remainder=padded)
+    if padded:
+        if steps is None:
+            # One pipeline: stop after the batch holding the last example.
+            dataset = dataset.take_while(lambda _, real: tf.reduce_any(real))
+        else:
+            dataset = dataset.take(steps)
+    return dataset.map(_to_weighted)
+
+
+def _to_weighted(example, real):
+    x, y = example[0], example[1]
+    if len(example) == 3:
+        weight = example[2]
+        mask = tf.cast(real, weight.dtype)
+        if weight.shape.rank and weight.shape.rank > 1:
+            mask = tf.reshape(mask, [-1] + [1] * (weight.shape.rank - 1))
+        return x, y, weight * mask
+    return x, y, tf.cast(real, tf.float32)
+
+
+def _equal_steps(counts: list[int], batch: int, mode: str) -> int:
+    """The step count every pipeline runs, from every pipeline's count."""
+    if mode == "eval":
+        # Pad the short shards: every example once, none dropped.
+        return max(math.ceil(c / batch) for c in counts)
+    if min(counts) == 0:
+        raise ValueError(
+            "An input pipeline got no examples, so it can't keep step with "
+            "the others. Use more data or fewer workers. Received: examples "
+            f"per pipeline={counts}"
+        )
+    # One epoch is as many global batches as the whole dataset fills.
+    return sum(counts) // (batch * len(counts))
+
+
+def _count(dataset: tf.data.Dataset) -> int:
+    cardinality = int(dataset.cardinality())
+    if cardinality >= 0:
+        return cardinality
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "Several input pipelines need finite datasets to agree on a "
+            "step count; this one repeats forever. Received: cardinality="
+            "infinite"
+        )
+    return int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+
+
+def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
+    if spec.dtype == tf.string:
+        return tf.fill(spec.shape, "")
+    return tf.zeros(spec.shape, spec.dtype)
+
+
+def _check_element_spec(spec: Any, mode: str, padded: bool) -> None:
+    if mode != "eval":
+        return
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        raise TypeError(
+            "In eval mode every example must be a tuple (x, y) or "
+            "(x, y, sample_weight), so that padding can be masked out. "
+            f"Received: element_spec={spec!r}"
+        )
+    if padded:
+        _check_fully_defined(spec)
+
+
+def _check_fully_defined(spec: Any) -> None:
+    for leaf in tf.nest.flatten(spec):
+        if not isinstance(leaf, tf.TensorSpec) or (
+            not leaf.shape.is_fully_defined()
+        ):
+            raise ValueError(
+                "Static shapes (and evaluation over several input pipelines) "
+                "need unbatched examples whose dense shapes are fully known; "
+                "pad or resize them first. Received: element_spec="
+                f"{spec!r}"
+            )
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`{name}` must be a positive integer. Received: {name}={value!r}"
+        )
+
+
+def _check_divisible(global_batch_size: int, replicas: int) -> None:
+    if global_batch_size % replicas:
+        raise ValueError(
+            "The global batch size must be divisible by the number of "
+            f"replicas ({replicas}). Received: "
+            f"global_batch_size={global_batch_size}, "
+            f"num_replicas_in_sync={replicas}"
+        )
+
+
+class _RecordingContext(tf.distribute.InputContext):
+    """An InputContext that notes whether the input function sharded."""
+
+    read_pipeline = False
+
+    @property
+    def input_pipeline_id(self):
+        self.read_pipeline = True
+        return super().input_pipeline_id
+
+    @property
+    def num_input_pipelines(self):
+        self.read_pipeline = True
+        return super().num_input_pipelines
+
+
+def distribute(
+    strategy: tf.distribute.Strategy,
+    dataset_or_input_fn: Source,
+    global_batch_size: int,
+    **options: Any,
+) -> tf.distribute.DistributedDataset:
+    """`shard()` for `strategy`, as a distributed dataset.
+
+    Args:
+        strategy: The strategy (replicator) the dataset feeds.
+        dataset_or_input_fn: As for `shard`.
+        global_batch_size: As for `shard`.
+        **options: `shuffle_seed`, `static_shapes`, `mode`,
+            `shuffle_buffer_size`, as for `shard`.
+
+    Returns:
+        A distributed dataset (`distribute_datasets_from_function`, one
+        pipeline per worker or TPU host, prefetched to the devices).
+    """
+    with strategy.scope():
+        input_fn = shard(dataset_or_input_fn, global_batch_size, **options)
+    distributed = strategy.distribute_datasets_from_function(
+        input_fn,
+        options=tf.distribute.InputOptions(experimental_fetch_to_device=True),
+    )
+    if input_fn.steps_per_epoch is not None and hasattr(
+        distributed, "_cardinality"
+    ):
+        # TF reports the cardinality of the pipeline's dataset, which counts
+        # per-replica batches; Keras reads it as steps, expects too many and
+        # warns "Your input ran out of data". Report steps instead.
+        distributed._cardinality = input_fn.steps_per_epoch  # noqa: SLF001
+    return distributed

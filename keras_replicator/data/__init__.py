@@ -1,0 +1,14 @@
+"""The dataset sharder: shards, shuffles and batches unbatched examples.
+
+`keras_replicator.data.shard(...)` makes an input function of per-replica
+batches; `replicator.distribute(...)` makes a distributed dataset for
+`model.fit` and `model.evaluate`.
+"""
+
+from keras_replicator._src.sharding import ShardedInput
+from keras_replicator._src.sharding import shard
+
+__all__ = (
+    "ShardedInput",
+    "shard",
+)
