@@ -13,12 +13,14 @@ from keras_replicator._src.devices import configure_cpu_replicas
 from keras_replicator._src.replicators.auto import auto
 from keras_replicator._src.replicators.local import LocalReplicator
 from keras_replicator._src.replicators.multi_worker import MultiWorkerReplicator
+from keras_replicator._src.replicators.tpu import TpuReplicator
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     "LocalReplicator",
     "MultiWorkerReplicator",
+    "TpuReplicator",
     "auto",
     "configure_cpu_replicas",
     "data",
