@@ -42,6 +42,37 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from keras_replicator._src import launch
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    try:
+        return launch.launch(
+            command,
+            workers=args.workers,
+            replicas_per_worker=args.replicas_per_worker,
+            ps=args.ps,
+        )
+    except ValueError as e:
+        print(f"keras-replicator launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _tf_config(args: argparse.Namespace) -> int:
+    from keras_replicator._src import cluster
+
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    try:
+        config = cluster.make_tf_config(hosts, args.index, args.task_type)
+    except ValueError as e:
+        print(f"keras-replicator tf-config: error: {e}", file=sys.stderr)
+        return 2
+    print(config.to_json())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `keras-replicator`."""
     parser = argparse.ArgumentParser(
@@ -65,6 +96,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     env = sub.add_parser("env", help="show what auto() picks here, and why")
     env.set_defaults(func=_env)
+
+    launch = sub.add_parser(
+        "launch",
+        help="run a command as N local workers with TF_CONFIG on loopback",
+        description="Starts N local worker processes of one cluster, each "
+        "with TF_CONFIG on free 127.0.0.1 ports, prefixes their output with "
+        "the worker's name, ends all when one fails (exiting with its "
+        "code) or on Ctrl-C. Example: keras-replicator launch --workers 2 "
+        "-- python train.py",
+    )
+    launch.add_argument("--workers", type=_positive_int, required=True)
+    launch.add_argument(
+        "--replicas-per-worker",
+        type=_positive_int,
+        default=None,
+        help="CPU replicas per worker (sets KERAS_REPLICATOR_CPU_REPLICAS)",
+    )
+    launch.add_argument(
+        "--ps",
+        type=int,
+        default=0,
+        help="parameter-server tasks (not supported yet; must be 0)",
+    )
+    launch.add_argument("command", nargs=argparse.REMAINDER)
+    launch.set_defaults(func=_launch)
+
+    tf_config = sub.add_parser(
+        "tf-config", help="print the TF_CONFIG of one task of a cluster"
+    )
+    tf_config.add_argument(
+        "--hosts",
+        required=True,
+        help="comma-separated host:port of every task, in task order",
+    )
+    tf_config.add_argument("--index", type=int, required=True)
+    tf_config.add_argument("--type", default="worker", dest="task_type")
+    tf_config.set_defaults(func=_tf_config)
     return parser
 
 

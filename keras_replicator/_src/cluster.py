@@ -258,6 +258,16 @@ def detect(environ: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
+def has_ps_tasks(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether TF_CONFIG names parameter servers (an asynchronous cluster)."""
+    environ = os.environ if environ is None else environ
+    try:
+        cluster = json.loads(environ.get(TF_CONFIG) or "{}").get("cluster")
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(cluster, Mapping) and bool(cluster.get("ps"))
+
+
 def resolve(cluster: Any = None):
     """Turns `cluster` (or the environment) into a TF cluster resolver.
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import devices as devices_lib
 
 
@@ -33,6 +34,24 @@ def choose() -> Choice:
     Returns:
         A `Choice`.
     """
+    from keras_replicator._src.replicators import tpu as tpu_lib
+
+    tpu = tpu_lib.find_tpu()
+    if tpu:
+        return Choice(
+            "TpuReplicator",
+            {"tpu": tpu},
+            f"found a TPU ({tpu!r}, from TPU_NAME, COLAB_TPU_ADDR or local "
+            "TPU chips)",
+        )
+    found = cluster_lib.detect()
+    if found and not cluster_lib.has_ps_tasks():
+        return Choice(
+            "MultiWorkerReplicator",
+            {},
+            f"found a {found} cluster: synchronous replication over its "
+            "worker processes",
+        )
     gpus = devices_lib.local_gpus()
     if gpus:
         return Choice(
@@ -60,7 +79,15 @@ def auto() -> tf.distribute.Strategy:
         A replicator (a `tf.distribute.Strategy` subclass).
     """
     from keras_replicator._src.replicators.local import LocalReplicator
+    from keras_replicator._src.replicators.multi_worker import (
+        MultiWorkerReplicator,
+    )
+    from keras_replicator._src.replicators.tpu import TpuReplicator
 
-    backends = {"LocalReplicator": LocalReplicator}
+    backends = {
+        "LocalReplicator": LocalReplicator,
+        "MultiWorkerReplicator": MultiWorkerReplicator,
+        "TpuReplicator": TpuReplicator,
+    }
     choice = choose()
     return backends[choice.backend](**choice.kwargs)
