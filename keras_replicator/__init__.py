@@ -9,7 +9,17 @@ Make ordinary Keras code run replicated with one change:
 """
 
 from keras_replicator import data
+from keras_replicator import layers
 from keras_replicator._src.devices import configure_cpu_replicas
+from keras_replicator._src.primitives import all_gather
+from keras_replicator._src.primitives import all_max
+from keras_replicator._src.primitives import all_mean
+from keras_replicator._src.primitives import all_min
+from keras_replicator._src.primitives import all_reduce
+from keras_replicator._src.primitives import all_sum
+from keras_replicator._src.primitives import broadcast
+from keras_replicator._src.primitives import num_replicas
+from keras_replicator._src.primitives import replica_id
 from keras_replicator._src.replicators.auto import auto
 from keras_replicator._src.replicators.local import LocalReplicator
 from keras_replicator._src.replicators.multi_worker import MultiWorkerReplicator
@@ -21,7 +31,17 @@ __all__ = (
     "LocalReplicator",
     "MultiWorkerReplicator",
     "TpuReplicator",
+    "all_gather",
+    "all_max",
+    "all_mean",
+    "all_min",
+    "all_reduce",
+    "all_sum",
     "auto",
+    "broadcast",
     "configure_cpu_replicas",
     "data",
+    "layers",
+    "num_replicas",
+    "replica_id",
 )

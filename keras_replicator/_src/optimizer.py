@@ -1,0 +1,454 @@
+"""`replicator.wrap_optimizer`: average gradients over every replica once.
+
+Keras 3's TensorFlow optimizer SUMS gradients across replicas inside
+`apply_gradients` (`TFOptimizer._all_reduce_sum_gradients`), because Keras'
+own losses are pre-scaled by `1 / num_replicas_in_sync`. A custom loop with a
+plain per-replica mean loss then trains with gradients `num_replicas` times
+too large. `ReplicatedOptimizer` takes gradient aggregation over from the
+optimizer it wraps: it all-reduces the MEAN itself, packed into a few large
+collectives, optionally compressed and accumulated, and switches the inner
+optimizer's own all-reduce off, so gradients are reduced exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import tensorflow as tf
+
+COMPRESSIONS = {None: None, "bf16": tf.bfloat16, "fp16": tf.float16}
+# Gradients are packed into all-reduces of about this size: large enough that
+# per-collective overhead vanishes, small enough that later packs can start
+# while earlier ones are still in flight (Horovod's fusion buffer is 64 MiB).
+DEFAULT_BYTES_PER_PACK = 32 * 2**20
+
+
+@keras.saving.register_keras_serializable(package="keras_replicator")
+class ReplicatedOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras optimizer to average gradients over all replicas.
+
+    Made by `replicator.wrap_optimizer`. In a custom loop, compute a plain
+    per-replica mean loss (no division by the replica count) and call
+    `optimizer.apply_gradients(zip(grads, variables))` or
+    `optimizer.apply(grads, variables)` in the replica function, as on one
+    device. The gradients are averaged over every replica of every worker
+    once, then the inner optimizer applies them.
+
+    Under `model.fit`, Keras pre-scales its losses by `1 / num_replicas` and
+    then calls `optimizer.scale_loss(loss)`; this wrapper's `scale_loss`
+    multiplies that factor back, so `fit` trains exactly as with the plain
+    optimizer (gradients still reduced once). A custom `train_step` that uses
+    `self.compute_loss` must call `self.optimizer.scale_loss(loss)` before
+    taking gradients, as Keras' own `train_step` does.
+
+    With `accumulation_steps=N`, `apply` adds each replica's gradients to
+    local accumulators and only every N-th call all-reduces their mean and
+    updates the variables: N micro-batches of global batch B train like one
+    step at batch N * B. `iterations` counts updates, not micro-batches.
+
+    Saving: the wrapper's variables are the inner optimizer's plus, with
+    accumulation, the accumulators (synchronized on read, averaged across
+    replicas when saved) and a micro-step counter, so checkpoints restore
+    mid-accumulation state, also onto another replica count.
+    `get_config`/`from_config` round-trip the inner optimizer and options.
+
+    The inner optimizer must not be used on its own afterwards: its own
+    cross-replica sum is switched off.
+
+    Args:
+        inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
+        accumulation_steps: Micro-batches per update. Defaults to 1.
+        compression: None, `"bf16"` or `"fp16"`: the dtype gradients travel
+            in during the all-reduce; they are cast back afterwards.
+            Defaults to None (their own dtype).
+        bytes_per_pack: Target size of one packed all-reduce, in bytes; 0
+            packs everything into one. Defaults to 32 MiB.
+        name: The optimizer's name.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        accumulation_steps: int = 1,
+        compression: str | None = None,
+        bytes_per_pack: int = DEFAULT_BYTES_PER_PACK,
+        name: str | None = None,
+        **kwargs,
+    ):
+        _validate(inner_optimizer, accumulation_steps, compression)
+        if (
+            isinstance(bytes_per_pack, bool)
+            or not isinstance(bytes_per_pack, int)
+            or bytes_per_pack < 0
+        ):
+            raise ValueError(
+                "`bytes_per_pack` must be a non-negative integer. Received: "
+                f"bytes_per_pack={bytes_per_pack!r}"
+            )
+        super().__init__(learning_rate=0.0, name=name, **kwargs)
+        self.inner_optimizer = inner_optimizer
+        self.accumulation_steps = accumulation_steps
+        self.compression = compression
+        self.bytes_per_pack = bytes_per_pack
+        _disable_inner_all_reduce(inner_optimizer)
+
+    def build(self, var_list: Sequence[keras.Variable]) -> None:
+        """Creates the inner optimizer's variables and the accumulators."""
+        self.inner_optimizer.build(var_list)
+        if self.accumulation_steps > 1:
+            self._micro_steps = self.add_variable(
+                (),
+                initializer="zeros",
+                dtype="int64",
+                aggregation="only_first_replica",
+                name="micro_steps",
+            )
+            # ON_READ: each replica adds to its own copy without talking to
+            # the others; saving reads the mean over replicas, which after
+            # restore still all-reduces to the same mean gradient.
+            self._accumulators = []
+            for v in var_list:
+                acc = keras.Variable(
+                    initializer="zeros",
+                    shape=v.shape,
+                    dtype=v.dtype,
+                    trainable=False,
+                    aggregation="mean",
+                    synchronization="on_read",
+                    name=f"{v.path.replace('/', '_')}_accumulator",
+                )
+                self._track_variable(acc)
+                self._accumulators.append(acc)
+        super().build(var_list)
+
+    @property
+    def variables(self) -> list[keras.Variable]:
+        """The wrapper's own variables, then the inner optimizer's."""
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def iterations(self):
+        """The number of updates applied (not micro-batches)."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        """The inner optimizer's learning rate."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def scale_loss(self, loss):
+        """Undoes Keras' `1 / num_replicas` loss scaling; see the class doc.
+
+        Args:
+            loss: A loss that Keras scaled for distribution.
+
+        Returns:
+            The loss as the inner optimizer scales it, times the number of
+            replicas in sync.
+        """
+        loss = self.inner_optimizer.scale_loss(loss)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            loss = loss * tf.cast(replicas, loss.dtype)
+        return loss
+
+    def apply(self, grads, trainable_variables=None):
+        """Averages `grads` over all replicas, then updates the variables.
+
+        Call it in the replica function (`step_fn`, `strategy.run`, or a
+        `train_step`). Every replica must call it, the same number of times.
+
+        Args:
+            grads: A list of gradients (None for a variable without one).
+            trainable_variables: The variables, in the order of `grads`.
+                May be omitted once the optimizer is built.
+
+        Raises:
+            RuntimeError: If called in cross-replica context.
+        """
+        if tf.distribute.in_cross_replica_context():
+            raise RuntimeError(
+                "`apply` and `apply_gradients` of a wrapped optimizer must "
+                "run in a replica context: inside the `step_fn` of "
+                "`replicator.replicate`, inside `strategy.run`, or inside a "
+                "Keras `train_step`."
+            )
+        if not self.built:
+            self._build_outside_function(trainable_variables)
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        grads = list(grads)
+        trainable_variables = list(trainable_variables)
+        if self.accumulation_steps == 1:
+            self._reduce_and_apply(grads, trainable_variables)
+        else:
+            self._accumulate(grads, trainable_variables)
+
+    def _build_outside_function(self, trainable_variables):
+        """Builds the optimizer eagerly, even from a replicated tf.function.
+
+        Variables first created inside a `tf.function` under a strategy make
+        TensorFlow wrap the function in an initialisation `tf.cond`, which
+        fails at run time with "You must feed a value for placeholder
+        tensor" (plain Keras optimizers hit it too unless built beforehand).
+        So build once, in cross-replica context, lifted out of the graph.
+        """
+        if trainable_variables is None:
+            raise ValueError(
+                "The first call of `apply` must pass the variables, or call "
+                "`optimizer.build(variables)` first. Received: "
+                "trainable_variables=None"
+            )
+
+        def build(strategy=None):
+            with tf.init_scope(), keras.name_scope(self.name, caller=self):
+                if strategy is None:
+                    self.build(trainable_variables)
+                    return
+                with strategy.scope():
+                    self.build(trainable_variables)
+
+        if tf.executing_eagerly() or not tf.distribute.has_strategy():
+            build()
+        else:
+            tf.distribute.get_replica_context().merge_call(build)
+
+    def _reduce_and_apply(self, grads, trainable_variables):
+        reduced = all_reduce_mean(grads, self.compression, self.bytes_per_pack)
+        self.inner_optimizer.apply(reduced, trainable_variables)
+
+    def _accumulate(self, grads, trainable_variables):
+        accumulators = [
+            self._accumulators[self._get_variable_index(v)]
+            for v in trainable_variables
+        ]
+        for acc, g in zip(accumulators, grads, strict=True):
+            if g is not None:
+                acc.assign_add(tf.convert_to_tensor(g))
+        self._micro_steps.assign_add(1)
+        steps = self.accumulation_steps
+
+        def is_update_step():
+            return tf.equal(tf.math.floormod(self._micro_steps.value, steps), 0)
+
+        def apply_accumulated():
+            mean = [
+                None if g is None else acc.value / steps
+                for acc, g in zip(accumulators, grads, strict=True)
+            ]
+            self._reduce_and_apply(mean, trainable_variables)
+            for acc in accumulators:
+                acc.assign(tf.zeros_like(acc.value))
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(is_update_step(), apply_accumulated, _no_op)
+            return
+
+        # MirroredStrategy and MultiWorkerMirroredStrategy on CPU forbid a
+        # collective (a merge_call) inside a tf.cond in the replica function.
+        # So decide in cross-replica context, as LossScaleOptimizer does, and
+        # re-enter every replica inside the chosen branch.
+        def cross_replica(strategy):
+            tf.cond(
+                is_update_step(),
+                lambda: strategy.extended.call_for_each_replica(
+                    apply_accumulated
+                ),
+                _no_op,
+            )
+
+        tf.distribute.get_replica_context().merge_call(cross_replica)
+
+    def finalize_variable_values(self, var_list):
+        """Lets the inner optimizer finalize, e.g. swap in EMA weights."""
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        """The inner optimizer's config and the wrapper's options."""
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "accumulation_steps": self.accumulation_steps,
+            "compression": self.compression,
+            "bytes_per_pack": self.bytes_per_pack,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds the wrapper and its inner optimizer from `get_config`."""
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def wrap_optimizer(
+    strategy: tf.distribute.Strategy,
+    optimizer: keras.optimizers.Optimizer,
+    accumulation_steps: int = 1,
+    compression: str | None = None,
+    bytes_per_pack: int = DEFAULT_BYTES_PER_PACK,
+) -> ReplicatedOptimizer:
+    """Wraps `optimizer` to average gradients over every replica of `strategy`.
+
+    See `ReplicatorMixin.wrap_optimizer`.
+
+    Args:
+        strategy: The replicator the optimizer trains under.
+        optimizer: A `keras.optimizers.Optimizer` created under
+            `strategy.scope()`.
+        accumulation_steps: Micro-batches per update. Defaults to 1.
+        compression: None, `"bf16"` or `"fp16"`. Defaults to None.
+        bytes_per_pack: Target bytes per packed all-reduce. Defaults to
+            32 MiB.
+
+    Returns:
+        A `ReplicatedOptimizer`.
+
+    Raises:
+        TypeError: If `optimizer` is not a Keras optimizer.
+        ValueError: If an option is out of range, or `optimizer` was created
+            outside `strategy.scope()`.
+    """
+    _validate(optimizer, accumulation_steps, compression)
+    owner = getattr(optimizer, "_distribution_strategy", strategy)
+    if owner is not strategy:
+        raise ValueError(
+            "Create the optimizer inside `with replicator.scope():` (its "
+            "variables must be replicated). Received: optimizer="
+            f"{optimizer!r}, created under {owner!r}"
+        )
+    with strategy.scope():
+        return ReplicatedOptimizer(
+            optimizer,
+            accumulation_steps=accumulation_steps,
+            compression=compression,
+            bytes_per_pack=bytes_per_pack,
+        )
+
+
+def all_reduce_mean(
+    grads: Sequence[tf.Tensor | None],
+    compression: str | None = None,
+    bytes_per_pack: int = DEFAULT_BYTES_PER_PACK,
+) -> list[tf.Tensor | None]:
+    """Averages gradients over all replicas in a few packed all-reduces.
+
+    Gradients are grouped by the dtype they travel in (a pack is one
+    concatenated tensor) and each group goes out as one
+    `ReplicaContext.all_reduce` call, which TensorFlow splits into packs of
+    about `bytes_per_pack`. Each gradient is divided by the replica count
+    before the sum, so float16 sums cannot overflow.
+
+    Args:
+        grads: Gradients; None entries are passed through.
+        compression: None, `"bf16"` or `"fp16"`.
+        bytes_per_pack: Target bytes per pack; 0 for a single pack.
+
+    Returns:
+        The averaged gradients, in the order and dtypes of `grads`.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return list(grads)
+    scale = 1.0 / ctx.num_replicas_in_sync
+    wire = COMPRESSIONS[compression]
+    groups: dict[str, list[int]] = {}
+    sent = []
+    for i, g in enumerate(grads):
+        if g is None:
+            sent.append(None)
+            continue
+        g = _to_dense(g) * tf.cast(scale, g.dtype)
+        if wire is not None and g.dtype.is_floating and g.dtype.size > 2:
+            g = tf.cast(g, wire)
+        sent.append(g)
+        groups.setdefault(g.dtype.name, []).append(i)
+    options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=bytes_per_pack
+    )
+    out = list(sent)
+    # Sorted: every replica must issue its collectives in the same order.
+    for dtype in sorted(groups):
+        indices = groups[dtype]
+        reduced = ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM, [sent[i] for i in indices], options
+        )
+        for i, r in zip(indices, reduced, strict=True):
+            out[i] = tf.cast(r, grads[i].dtype)
+    return out
+
+
+def _validate(optimizer, accumulation_steps, compression) -> None:
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a `keras.optimizers.Optimizer`. Received: "
+            f"optimizer={optimizer!r} of type {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, ReplicatedOptimizer):
+        raise ValueError(
+            "`optimizer` is already wrapped; wrap the inner optimizer once. "
+            f"Received: optimizer={optimizer!r}"
+        )
+    if (
+        isinstance(accumulation_steps, bool)
+        or not isinstance(accumulation_steps, int)
+        or accumulation_steps < 1
+    ):
+        raise ValueError(
+            "`accumulation_steps` must be a positive integer. Received: "
+            f"accumulation_steps={accumulation_steps!r}"
+        )
+    if compression not in COMPRESSIONS:
+        raise ValueError(
+            f"`compression` must be one of {tuple(COMPRESSIONS)}. Received: "
+            f"compression={compression!r}"
+        )
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            "Use `accumulation_steps` of `wrap_optimizer` instead of the "
+            "optimizer's own `gradient_accumulation_steps`: Keras "
+            "all-reduces inside a `tf.cond`, which MirroredStrategy refuses, "
+            "and would reduce every micro-batch. Received: "
+            "gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps!r}"
+        )
+
+
+def _disable_inner_all_reduce(optimizer) -> None:
+    """Turns off the cross-replica gradient sum of `optimizer` (and inners).
+
+    Keras' TF optimizer sums gradients in `_all_reduce_sum_gradients`; the
+    wrapper already averaged them, so a second reduction would multiply them
+    by the replica count. A LossScaleOptimizer's inner optimizer reduces too.
+    """
+    while optimizer is not None:
+        if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+            raise TypeError(
+                "wrap_optimizer needs Keras 3's TensorFlow optimizer, whose "
+                "`_all_reduce_sum_gradients` it replaces (set KERAS_BACKEND="
+                f"tensorflow). Received: optimizer={optimizer!r}"
+            )
+        optimizer._all_reduce_sum_gradients = _already_reduced
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def _already_reduced(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def _to_dense(g):
+    # IndexedSlices (embedding gradients) cannot be packed with dense ones.
+    return tf.convert_to_tensor(g)
+
+
+def _no_op():
+    return None

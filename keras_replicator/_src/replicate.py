@@ -1,0 +1,200 @@
+"""`replicator.replicate(step_fn, input_fn)`: TF-Replicator's research loop.
+
+A researcher writes one replica: `input_fn` builds its data and `step_fn`
+performs its step. `replicate` distributes the data with
+`distribute_datasets_from_function`, compiles one `tf.function` that runs
+`step_fn` on every replica (`steps_per_call` times in a `tf.while_loop`), and
+reduces the outputs across all replicas and workers inside that function, so a
+call costs one host round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from keras_replicator._src.types import TensorTree
+
+REDUCTIONS = ("mean", "sum", None)
+
+InputFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+StepFn = Callable[[Any], TensorTree]
+
+
+class ReplicatedStep:
+    """A compiled step of every replica; call it to advance them all.
+
+    Made by `replicator.replicate`; see there. Each call takes the next
+    per-replica batch on every replica, runs `step_fn` `steps_per_call`
+    times and returns the outputs of the last of those steps.
+
+    Attributes:
+        strategy: The replicator (a `tf.distribute.Strategy`) it runs on.
+        dataset: The distributed dataset made from `input_fn`.
+        reduce: `"mean"`, `"sum"` or None, as given.
+        steps_per_call: Steps per call, as given.
+    """
+
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        step_fn: StepFn,
+        input_fn: InputFn,
+        reduce: str | None = "mean",
+        steps_per_call: int = 1,
+    ):
+        _validate(step_fn, input_fn, reduce, steps_per_call)
+        self.strategy = strategy
+        self.reduce = reduce
+        self.steps_per_call = steps_per_call
+        self._step_fn = step_fn
+        self.dataset = strategy.distribute_datasets_from_function(
+            _checked_input_fn(input_fn)
+        )
+        self._iterator = iter(self.dataset)
+        self._function = tf.function(self._run)
+
+    def __call__(self) -> TensorTree | list[TensorTree] | None:
+        """Advances every replica by `steps_per_call` steps.
+
+        Returns:
+            `step_fn`'s outputs of the last step: with `reduce="mean"` or
+            `"sum"`, reduced over every replica of every worker (one value,
+            the same on every worker); with `reduce=None`, a list with one
+            output per local replica, in replica order. None if `step_fn`
+            returns None.
+
+        Raises:
+            tf.errors.OutOfRangeError: If `input_fn`'s dataset ran out; make
+                it repeat for open-ended training loops.
+        """
+        outputs = self._function(self._iterator)
+        if self.reduce is None and outputs is not None:
+            return list(outputs)
+        return outputs
+
+    def _run(self, iterator):
+        outputs = self._one_step(iterator)
+        if self.steps_per_call == 1:
+            return outputs
+        # A tf.while_loop, not a Python loop, keeps the graph one step big.
+        # The loop carries the reduced (or per-replica local) outputs.
+        if outputs is None:
+            tf.while_loop(
+                lambda i: i < self.steps_per_call,
+                lambda i: _after(self._one_step(iterator), i + 1),
+                (tf.constant(1),),
+            )
+            return None
+        _, outputs = tf.while_loop(
+            lambda i, _: i < self.steps_per_call,
+            lambda i, _: (i + 1, self._one_step(iterator)),
+            (tf.constant(1), outputs),
+        )
+        return outputs
+
+    def _one_step(self, iterator):
+        per_replica = self.strategy.run(self._step_fn, args=(next(iterator),))
+        if all(v is None for v in tf.nest.flatten(per_replica)):
+            return None
+        if self.reduce is None:
+            return _local_results(self.strategy, per_replica)
+        # Reduce inside the function: under a multi-worker replicator this
+        # is one more collective in the same graph, not a second round trip.
+        op = self.reduce.upper()
+        return tf.nest.map_structure(
+            lambda v: self.strategy.reduce(op, v, axis=None), per_replica
+        )
+
+
+def replicate(
+    strategy: tf.distribute.Strategy,
+    step_fn: StepFn,
+    input_fn: InputFn,
+    reduce: str | None = "mean",
+    steps_per_call: int = 1,
+) -> ReplicatedStep:
+    """Compiles `step_fn` over every replica of `strategy`, fed by `input_fn`.
+
+    See `ReplicatorMixin.replicate`, which calls this with itself.
+
+    Args:
+        strategy: The replicator to run on.
+        step_fn: One replica's step, called with that replica's batch.
+        input_fn: Called with a `tf.distribute.InputContext`, once per input
+            pipeline (one per worker); returns a `tf.data.Dataset` of
+            per-replica batches.
+        reduce: `"mean"`, `"sum"` or None. Defaults to `"mean"`.
+        steps_per_call: Steps per call. Defaults to 1.
+
+    Returns:
+        A `ReplicatedStep`: call it to advance every replica.
+
+    Raises:
+        TypeError: If `step_fn` or `input_fn` is not callable, or `input_fn`
+            does not return a `tf.data.Dataset`.
+        ValueError: If `reduce` or `steps_per_call` is not supported.
+    """
+    return ReplicatedStep(strategy, step_fn, input_fn, reduce, steps_per_call)
+
+
+def _validate(step_fn, input_fn, reduce, steps_per_call) -> None:
+    if not callable(step_fn):
+        raise TypeError(
+            "`step_fn` must be a callable that takes one replica's batch. "
+            f"Received: step_fn={step_fn!r} of type {type(step_fn).__name__}"
+        )
+    if not callable(input_fn):
+        raise TypeError(
+            "`input_fn` must be a callable that takes a "
+            "`tf.distribute.InputContext` and returns a `tf.data.Dataset`. "
+            f"Received: input_fn={input_fn!r} of type "
+            f"{type(input_fn).__name__}"
+        )
+    if reduce not in REDUCTIONS:
+        raise ValueError(
+            f"`reduce` must be one of {REDUCTIONS}. Received: reduce={reduce!r}"
+        )
+    if (
+        isinstance(steps_per_call, bool)
+        or not isinstance(steps_per_call, int)
+        or steps_per_call < 1
+    ):
+        raise ValueError(
+            "`steps_per_call` must be a positive integer. Received: "
+            f"steps_per_call={steps_per_call!r}"
+        )
+
+
+def _checked_input_fn(input_fn: InputFn) -> InputFn:
+    """Wraps `input_fn` to fail early, by name, when it returns no Dataset."""
+
+    def dataset_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        dataset = input_fn(ctx)
+        if not isinstance(dataset, tf.data.Dataset):
+            name = getattr(input_fn, "__name__", repr(input_fn))
+            raise TypeError(
+                f"`input_fn` must return a `tf.data.Dataset` of per-replica "
+                f"batches. Received: {name}(ctx) returned {dataset!r} of type "
+                f"{type(dataset).__name__}"
+            )
+        return dataset
+
+    return dataset_fn
+
+
+def _local_results(strategy, per_replica) -> tuple:
+    """Splits a nest of per-replica values into one nest per local replica."""
+    flat = tf.nest.flatten(per_replica)
+    columns = [strategy.experimental_local_results(v) for v in flat]
+    return tuple(
+        tf.nest.pack_sequence_as(per_replica, [col[i] for col in columns])
+        for i in range(len(columns[0]))
+    )
+
+
+def _after(_, value):
+    """Returns `value`; the first argument only orders the call before it."""
+    return (value,)
