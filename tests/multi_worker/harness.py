@@ -92,7 +92,9 @@ def write_result(value: Any) -> None:
     Args:
         value: Any nest of dicts, lists, numbers, strings and NumPy values.
     """
-    path = os.environ[RESULT_ENV]
+    # "{index}" in the path: one file per worker when every worker shares
+    # one environment, as under `keras-replicator launch`.
+    path = os.environ[RESULT_ENV].format(index=task_index())
     with open(path, "w") as f:
         json.dump(value, f, default=_to_json)
 
