@@ -12,6 +12,8 @@ import threading
 
 import tensorflow as tf
 
+from keras_replicator._src import nested_collectives
+
 # Group keys of collective ops are process-global in TensorFlow's runtime, but
 # each tf.distribute strategy numbers its groups from 1. Two strategies in one
 # process with different device sets then share group key 1 and the runtime
@@ -26,6 +28,10 @@ _key_lock = threading.Lock()
 
 def next_collective_key_base() -> int:
     """Returns a collective group-key base no other replicator here uses."""
+    # Every replicator calls this before it builds collectives: also make
+    # collectives work inside `tf.cond`, which `model.fit` with
+    # `steps_per_execution > 1` needs (see nested_collectives).
+    nested_collectives.install()
     with _key_lock:
         return next(_key_blocks) * _KEY_BLOCK
 
