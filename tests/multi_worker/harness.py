@@ -289,6 +289,71 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def run_launcher(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    num_workers: int = 2,
+    replicas_per_worker: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
+) -> tuple[subprocess.CompletedProcess, list[Any]]:
+    """Runs `keras-replicator launch --workers N -- python script args`.
+
+    Args:
+        script: A path to the worker script.
+        args: Command-line arguments for the script.
+        num_workers: `--workers`.
+        replicas_per_worker: `--replicas-per-worker`.
+        env: Extra environment variables for the launcher (and so for every
+            worker).
+        timeout: Seconds until the launcher is killed (then
+            `subprocess.TimeoutExpired` is raised).
+
+    Returns:
+        The launcher's `CompletedProcess` (text stdout with both workers'
+        prefixed lines) and each worker's `write_result` value (or None).
+    """
+    script_path = Path(sys.executable).parent / "keras-replicator"
+    if script_path.exists():
+        command = [str(script_path)]
+    else:
+        command = [sys.executable, "-m", "keras_replicator._src.cli"]
+    command += [
+        "launch",
+        "--workers",
+        str(num_workers),
+        "--replicas-per-worker",
+        str(replicas_per_worker),
+        "--",
+        sys.executable,
+        str(script),
+        *args,
+    ]
+    with tempfile.TemporaryDirectory(prefix="kr_launch_") as tmp:
+        full_env = {
+            **os.environ,
+            "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+            "PYTHONPATH": str(REPO_ROOT),
+            RESULT_ENV: os.path.join(tmp, "result_{index}.json"),
+            **(env or {}),
+        }
+        proc = subprocess.run(
+            command,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO_ROOT,
+        )
+        results = []
+        for i in range(num_workers):
+            path = Path(tmp) / f"result_{i}.json"
+            results.append(
+                json.loads(path.read_text()) if path.exists() else None
+            )
+    return proc, results
+
+
 def describe(results: Sequence[WorkerResult], tail: int = 4000) -> str:
     """Every worker's exit code and the end of its output, for errors."""
     parts = []

@@ -106,3 +106,21 @@ def test_only_the_chief_writes_files(workers, reference):
     assert other.result["checkpoint_path_after_fit"] == str(
         out / "ckpt.weights.h5"
     )
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+def test_fit_through_launcher_matches_single_process(reference):
+    out = reference["tmp"] / "launched"
+    proc, results = harness.run_launcher(
+        WORKER, args=[str(reference["init"]), str(out)]
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "[worker 0]" in proc.stdout and "[worker 1]" in proc.stdout
+    for got in results:
+        for key, values in reference["history"].items():
+            _assert_close(got["history"][key], values, key)
+        for i, (a, e) in enumerate(
+            zip(got["weights"], reference["weights"], strict=True)
+        ):
+            _assert_close(a, e, f"weight {i}")
