@@ -94,5 +94,17 @@ def _update_compile_metrics(compile_metrics, y, y_pred, sample_weight, mask):
 
 
 def install() -> None:
-    """Installs the exact test step (idempotent)."""
+    """Installs the exact test step (idempotent).
+
+    It replaces `TensorFlowTrainer.test_step` for every model, but only
+    models whose strategy is one of our replicators take the new path; the
+    others run the stock step unchanged. `uninstall` puts the stock one back.
+    `tests/test_exact_eval.py` fails when a Keras upgrade changes the code
+    this mirrors (the stock `test_step` and `CompileMetrics.update_state`).
+    """
     tf_trainer.TensorFlowTrainer.test_step = _exact_test_step
+
+
+def uninstall() -> None:
+    """Restores Keras' stock test step (idempotent)."""
+    tf_trainer.TensorFlowTrainer.test_step = _stock_test_step
