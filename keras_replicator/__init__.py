@@ -8,6 +8,7 @@ Make ordinary Keras code run replicated with one change:
     model.fit(...)
 """
 
+from keras_replicator import callbacks
 from keras_replicator import data
 from keras_replicator import layers
 from keras_replicator._src.devices import configure_cpu_replicas
@@ -39,6 +40,7 @@ __all__ = (
     "all_sum",
     "auto",
     "broadcast",
+    "callbacks",
     "configure_cpu_replicas",
     "data",
     "layers",
