@@ -97,10 +97,13 @@ class MultiWorkerReplicator(
         # Read by CollectiveAllReduceExtended; see
         # base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
+        # A dead peer is usually reported within seconds by TensorFlow's
+        # coordination service (heartbeats; the error names the lost task).
+        # The collective timeout bounds the rest: a hung peer, or one that
+        # never joins.
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=timeout_seconds
         )
-        _configure_coordination(config, timeout_seconds)
         # Files and progress bars on the chief only; see chief_only.
         chief_only.install()
         extended = _MultiWorkerExtended(
@@ -176,8 +179,3 @@ def _local_devices(replicas_per_worker: int | None) -> tuple[str, int]:
         )
     devices_lib.configure_cpu_replicas(replicas_per_worker)
     return "CPU", replicas_per_worker
-
-
-def _configure_coordination(config, timeout_seconds) -> None:
-    """Placeholder: the coordination service is configured by TF."""
-    del config, timeout_seconds
