@@ -1,5 +1,11 @@
 """Callbacks for replicated training: sync batch norm, metrics, warm-up."""
 
+from keras_replicator._src.callbacks.metric_reduction import MetricReduction
 from keras_replicator._src.callbacks.sync_batch_norm import SyncBatchNorm
+from keras_replicator._src.callbacks.warmup import LinearWarmup
 
-__all__ = ("SyncBatchNorm",)
+__all__ = (
+    "LinearWarmup",
+    "MetricReduction",
+    "SyncBatchNorm",
+)

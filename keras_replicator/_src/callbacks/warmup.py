@@ -1,0 +1,175 @@
+"""LinearWarmup: the gradual warm-up of the linear scaling rule.
+
+Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in
+1 Hour" (arXiv 1706.02677): when the global batch grows k times, multiply
+the learning rate by k (the linear scaling rule), and reach that rate
+gradually: start from the single-worker rate and raise it by the same
+amount at every iteration until, after 5 epochs, it is k times larger.
+"""
+
+from __future__ import annotations
+
+import keras
+
+
+class LinearWarmup(keras.callbacks.Callback):
+    """Linear learning-rate warm-up to the scaled rate (Goyal et al. 2017).
+
+    Compile the model with the *scaled* learning rate, the single-replica
+    rate times `scale` (by default the number of replicas in sync, as the
+    linear scaling rule asks when the global batch is that many times the
+    single-replica batch). This callback then starts training at
+    `target / scale` and raises the rate linearly per step, reaching the
+    target after `warmup_epochs` epochs (or `warmup_steps` steps):
+
+        lr(t) = target * (1/scale + (1 - 1/scale) * t / W)   for t < W
+        lr(t) = target                                       for t >= W
+
+    where `t` is the 0-based global step (`epoch * steps_per_epoch +
+    batch`), `W` the number of warm-up steps and `target` the optimizer's
+    learning rate at train begin. After the warm-up it leaves the rate
+    alone, so later schedules (e.g. `ReduceLROnPlateau`) take over. At
+    train end it restores `target`, so a later `fit` (say with
+    `initial_epoch`) warms up from the same target.
+
+    With `steps_per_execution = s`, Keras calls the batch hooks once per
+    `s` steps, and all `s` steps use the rate of the first.
+
+    Position in the callback list: before callbacks that change the
+    learning rate after the warm-up (`ReduceLROnPlateau`, schedulers).
+
+    Example:
+    ```python
+    base_lr = 0.1  # tuned for one replica
+    with replicator.scope():
+        model.compile(
+            keras.optimizers.SGD(base_lr * replicator.num_replicas_in_sync),
+            "mse",
+        )
+    model.fit(x, y, epochs=10, callbacks=[kr.callbacks.LinearWarmup(5)])
+    ```
+
+    Args:
+        warmup_epochs: Epochs of warm-up (may be fractional). Defaults to 5,
+            as in the paper. Ignored when `warmup_steps` is given.
+        scale: The factor k between the target rate and the starting rate.
+            Defaults to the model's `distribute_strategy.num_replicas_in_sync`.
+        warmup_steps: Steps of warm-up; needed when `fit` does not know the
+            number of steps per epoch (a dataset of unknown length without
+            `steps_per_epoch`).
+
+    Raises:
+        ValueError: If an argument is not positive, or `scale < 1`.
+        TypeError: At train begin, if the optimizer's learning rate is a
+            schedule rather than a number.
+        RuntimeError: At train begin, if steps per epoch are unknown and
+            `warmup_steps` is not given.
+    """
+
+    def __init__(
+        self,
+        warmup_epochs: float = 5,
+        scale: float | None = None,
+        warmup_steps: int | None = None,
+    ):
+        super().__init__()
+        _check_positive("warmup_epochs", warmup_epochs)
+        if warmup_steps is not None:
+            _check_positive("warmup_steps", warmup_steps)
+        if scale is not None:
+            _check_positive("scale", scale)
+            if scale < 1:
+                raise ValueError(
+                    "`scale` must be at least 1 (the target rate is the "
+                    f"larger one). Received: scale={scale!r}"
+                )
+        self.warmup_epochs = warmup_epochs
+        self.scale = scale
+        self.warmup_steps = warmup_steps
+        self._target = None
+        self._total = None
+        self._steps_per_epoch = None
+        self._offset = 0
+        self._seen = 0
+
+    def learning_rate(self, step: int) -> float:
+        """The warm-up rate at 0-based global `step`.
+
+        Args:
+            step: The global step, counted from epoch 0.
+
+        Returns:
+            The learning rate. Valid once training has begun.
+        """
+        if step >= self._total:
+            return self._target
+        start = 1.0 / self._scale
+        return self._target * (start + (1.0 - start) * step / self._total)
+
+    def on_train_begin(self, logs=None):
+        """Reads the target rate and the warm-up length."""
+        optimizer = self.model.optimizer
+        if isinstance(
+            optimizer._learning_rate,
+            keras.optimizers.schedules.LearningRateSchedule,
+        ):
+            raise TypeError(
+                "LinearWarmup needs a fixed learning rate to warm up to, "
+                "not a schedule. Received: learning_rate="
+                f"{optimizer._learning_rate!r}"
+            )
+        self._target = float(
+            keras.ops.convert_to_numpy(optimizer.learning_rate)
+        )
+        self._scale = float(
+            self.scale or self.model.distribute_strategy.num_replicas_in_sync
+        )
+        self._steps_per_epoch = (self.params or {}).get("steps")
+        self._offset = 0
+        self._seen = 0
+        if self.warmup_steps is not None:
+            self._total = int(self.warmup_steps)
+        elif self._steps_per_epoch:
+            self._total = max(
+                1, round(self.warmup_epochs * self._steps_per_epoch)
+            )
+        else:
+            raise RuntimeError(
+                "LinearWarmup cannot tell how many steps an epoch has; pass "
+                "`warmup_steps`, or `steps_per_epoch` to fit. Received: "
+                f"warmup_epochs={self.warmup_epochs!r}, warmup_steps=None"
+            )
+
+    def on_train_end(self, logs=None):
+        """Restores the target rate."""
+        if self._target is not None:
+            self.model.optimizer.learning_rate = self._target
+
+    def on_epoch_begin(self, epoch, logs=None):
+        """Finds the global step the epoch starts at."""
+        if self._steps_per_epoch:
+            self._offset = epoch * self._steps_per_epoch
+        else:
+            # Unknown epoch length: count the steps this fit has run.
+            self._offset = self._seen
+
+    def on_train_batch_begin(self, batch, logs=None):
+        """Sets the rate for the coming step(s)."""
+        step = self._offset + batch
+        if step <= self._total:
+            self.model.optimizer.learning_rate = self.learning_rate(step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Counts steps (`batch` is the execution's last step)."""
+        self._seen = self._offset + batch + 1
+
+
+def _check_positive(name, value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value <= 0
+    ):
+        raise ValueError(
+            f"`{name}` must be a positive number. Received: {name}={value!r}"
+        )
