@@ -71,10 +71,10 @@ def all_reduce(value: TensorTree, op: str = "sum") -> TensorTree:
     if ctx is None:
         return _symbolic(value)
     if op in ("sum", "mean"):
-        flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+        flat = [_local(v) for v in tf.nest.flatten(value)]
         return tf.nest.pack_sequence_as(value, _by_dtype(ctx, op, flat))
     reduce_fn = tf.reduce_max if op == "max" else tf.reduce_min
-    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    flat = [_local(v) for v in tf.nest.flatten(value)]
     # Stack each replica's value on a new axis 0, then reduce over it.
     gathered = ctx.all_gather([tf.expand_dims(v, 0) for v in flat], axis=0)
     return tf.nest.pack_sequence_as(
@@ -214,7 +214,7 @@ def broadcast(value: TensorTree, source_replica: int = 0) -> TensorTree:
     if ctx is None:
         return _symbolic(value)
     is_source = tf.equal(_replica_id(ctx), source_replica)
-    flat = [tf.convert_to_tensor(v) for v in tf.nest.flatten(value)]
+    flat = [_local(v) for v in tf.nest.flatten(value)]
     # Booleans cannot be summed: send them as int32 and cast back.
     masked = [
         tf.where(is_source, _summable(v), tf.zeros_like(_summable(v)))
@@ -302,8 +302,19 @@ def _replica_id(ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
     return tf.cast(ctx.replica_id_in_sync_group, tf.int32)
 
 
+def _local(value) -> tf.Tensor:
+    """`value` as a tensor made on this replica's device.
+
+    A variable read directly has no device inside `strategy.run` with one
+    replica per worker, and TensorFlow's batch reduction then fails with
+    "destinations can not be empty"; `tf.identity` runs under the replica's
+    device scope, so its output carries the device.
+    """
+    return tf.identity(value)
+
+
 def _at_least_1d(value) -> tf.Tensor:
-    value = tf.convert_to_tensor(value)
+    value = _local(value)
     return tf.reshape(value, [1]) if value.shape.rank == 0 else value
 
 
