@@ -3,14 +3,23 @@
 Each worker is one process with one CPU replica, limited to one thread (set
 through the environment before TensorFlow starts), and takes a fixed batch
 of 64 examples per step (weak scaling: the global batch is 64 x workers).
-For each of
-  - `fit`:  `model.fit` under `kr.MultiWorkerReplicator`, and
-  - `loop`: a plain `tf.distribute.MultiWorkerMirroredStrategy` custom loop,
-it alternates 1-worker and 2-worker runs, measures examples/sec over the
-timed steps (until results are fetched), and prints the 2-vs-1 ratios
-(median, min, max over pairs; see `_common.py`).
+Three modes:
+  - `fit`:  `model.fit` under `kr.MultiWorkerReplicator`;
+  - `loop`: a plain `tf.distribute.MultiWorkerMirroredStrategy` custom loop;
+  - `solo`: the same step with no strategy and no communication, each
+    process training on its own. Its 2-vs-1 ratio is the ceiling the
+    machine allows at that moment: with other jobs on the cores, two busy
+    processes do not get twice the CPU of one.
+Each pair runs every mode with 1 and 2 workers back to back (the order
+alternates between pairs), so the modes see the same load; it measures
+examples/sec over the timed steps (until results are fetched) and prints
+the 2-vs-1 ratios (median, min, max over pairs; see `_common.py`).
 
-    python benchmarks/multi_worker_scaling.py [--pairs 3] [--steps 40]
+A `fit` call has a fixed set-up cost (about 0.3-0.5 s here: Keras creates
+the distributed iterator twice and reduces a first batch across workers),
+so the timed `fit` runs many steps; `--steps 40` makes set-up dominate.
+
+    python benchmarks/multi_worker_scaling.py [--pairs 5] [--steps 200]
 """
 
 import argparse
@@ -26,6 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 PER_WORKER_BATCH = 64
+_MODES = ("fit", "loop", "solo")
+_NAMES = {
+    "fit": "model.fit + MultiWorkerReplicator",
+    "loop": "plain MWMS custom loop",
+    "solo": "no communication (ceiling)",
+}
 THREAD_ENV = {
     "OMP_NUM_THREADS": "1",
     "TF_NUM_INTRAOP_THREADS": "1",
@@ -44,8 +59,11 @@ def worker(mode, steps, warmup, result_path):
         import keras_replicator as kr
 
         strategy = kr.MultiWorkerReplicator(replicas_per_worker=1)
-    else:
+    elif mode == "loop":
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        # No cluster: each process trains alone on its own 64 examples.
+        strategy = tf.distribute.get_strategy()
     import keras
 
     workers = strategy.num_replicas_in_sync
@@ -117,8 +135,17 @@ def worker(mode, steps, warmup, result_path):
         json.dump({"rate": steps * global_batch / seconds}, f)
 
 
+def _rate(mode, rates):
+    """A cluster's examples/sec from its workers' own rates."""
+    if mode == "solo":
+        # Independent processes: their throughputs add up.
+        return sum(rates)
+    # Synchronous: every worker's rate already counts the global batch.
+    return rates[0]
+
+
 def run_cluster(mode, workers, steps, warmup):
-    """Starts `workers` processes; returns the chief's examples/sec."""
+    """Starts `workers` processes; returns the cluster's examples/sec."""
     from keras_replicator._src import launch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,16 +181,19 @@ def run_cluster(mode, workers, steps, warmup):
         finally:
             for proc in procs:
                 proc.kill()
-        with open(os.path.join(tmp, "0.json")) as f:
-            return json.load(f)["rate"]
+        rates = []
+        for i in range(workers):
+            with open(os.path.join(tmp, f"{i}.json")) as f:
+                rates.append(json.load(f)["rate"])
+        return _rate(mode, rates)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--worker", choices=("fit", "loop"))
+    parser.add_argument("--worker", choices=_MODES)
     parser.add_argument("--result")
     args = parser.parse_args()
     if args.worker:
@@ -174,22 +204,28 @@ def main():
         f"weak scaling: {PER_WORKER_BATCH} examples per worker per step, "
         "1 CPU replica and 1 thread per worker"
     )
-    for mode in ("fit", "loop"):
-        rates_2, rates_1, ratios = _common.paired_ratios(
-            lambda mode=mode: run_cluster(mode, 2, args.steps, args.warmup),
-            lambda mode=mode: run_cluster(mode, 1, args.steps, args.warmup),
-            args.pairs,
-        )
-        name = (
-            "model.fit + MultiWorkerReplicator"
-            if mode == "fit"
-            else ("plain MWMS custom loop")
-        )
+    results = {mode: ([], [], []) for mode in _MODES}
+    for i in range(args.pairs):
+        # Interleave the modes within a pair so that they see the same load,
+        # and alternate which of 1 and 2 workers goes first (as
+        # _common.paired_ratios does), so drift favours neither.
+        for mode in _MODES:
+            rate = {}
+            for workers in (2, 1) if i % 2 else (1, 2):
+                rate[workers] = run_cluster(
+                    mode, workers, args.steps, args.warmup
+                )
+            rates_1, rates_2, ratios = results[mode]
+            rates_1.append(rate[1])
+            rates_2.append(rate[2])
+            ratios.append(rate[2] / rate[1])
+    for mode in _MODES:
+        rates_1, rates_2, ratios = results[mode]
         print(
-            f"{name}: 1 worker {[round(r) for r in rates_1]} ex/s, "
+            f"{_NAMES[mode]}: 1 worker {[round(r) for r in rates_1]} ex/s, "
             f"2 workers {[round(r) for r in rates_2]} ex/s"
         )
-        print(_common.summary(f"  {name} 2-vs-1 ratio", ratios))
+        print(_common.summary(f"  {_NAMES[mode]} 2-vs-1 ratio", ratios))
 
 
 if __name__ == "__main__":

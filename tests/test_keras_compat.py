@@ -2,6 +2,7 @@
 
 import inspect
 
+import tensorflow as tf
 from keras.src.backend.tensorflow import trainer
 
 from keras_replicator._src import keras_compat
@@ -24,3 +25,38 @@ def test_keras_trainer_detects_multi_worker_by_isinstance():
         "isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)"
         in (source)
     )
+
+
+def test_install_is_reversible_and_uninstall_restores_stock():
+    keras_compat.install()
+    keras_compat.install()  # idempotent
+    assert trainer.reduce_per_replica is not (
+        keras_compat._stock_reduce_per_replica
+    )
+    keras_compat.uninstall()
+    assert trainer.reduce_per_replica is keras_compat._stock_reduce_per_replica
+
+
+def test_installed_reduce_leaves_other_strategies_stock():
+    # A MirroredStrategy is not ours: its logs take Keras' own path and get
+    # the same numbers as with the stock function.
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    per_replica = strategy.run(
+        lambda: {
+            "loss": tf.cast(
+                tf.distribute.get_replica_context().replica_id_in_sync_group,
+                "float32",
+            ),
+            "acc": tf.constant(0.5),
+        }
+    )
+    keras_compat.install()
+    try:
+        got = trainer.reduce_per_replica(per_replica, strategy, "auto")
+    finally:
+        keras_compat.uninstall()
+    expected = trainer.reduce_per_replica(per_replica, strategy, "auto")
+    assert sorted(got) == ["acc", "loss"]
+    for key in got:
+        assert float(got[key]) == float(expected[key])
+    assert float(got["loss"]) == 0.5

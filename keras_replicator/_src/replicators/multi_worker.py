@@ -106,6 +106,8 @@ class MultiWorkerReplicator(
         )
         # Files and progress bars on the chief only; see chief_only.
         chief_only.install()
+        # One all-reduce per step for all of Keras' logs; see keras_compat.
+        keras_compat.install()
         extended = _MultiWorkerExtended(
             self, resolver, options, device_type=device_type, count=count
         )
