@@ -21,6 +21,7 @@ from keras_replicator._src.primitives import all_sum
 from keras_replicator._src.primitives import broadcast
 from keras_replicator._src.primitives import num_replicas
 from keras_replicator._src.primitives import replica_id
+from keras_replicator._src.replicators.async_ps import AsyncReplicator
 from keras_replicator._src.replicators.auto import auto
 from keras_replicator._src.replicators.local import LocalReplicator
 from keras_replicator._src.replicators.multi_worker import MultiWorkerReplicator
@@ -29,6 +30,7 @@ from keras_replicator._src.replicators.tpu import TpuReplicator
 __version__ = "0.1.0.dev0"
 
 __all__ = (
+    "AsyncReplicator",
     "LocalReplicator",
     "MultiWorkerReplicator",
     "TpuReplicator",

@@ -1,0 +1,146 @@
+"""The input of `model.fit`/`evaluate` under an AsyncReplicator.
+
+Asynchronous steps pull batches from a dataset built on every worker
+(`ClusterCoordinator.create_per_worker_dataset`) and iterated forever: a
+step goes to whichever worker is free, so no epoch boundary exists on the
+workers and `steps_per_epoch` decides how long an epoch is. `Source` turns
+what the user passed to `fit` into such a dataset, and into a finite local
+dataset for exact evaluation and prediction on the coordinator.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+# Keras' default batch size for arrays.
+_DEFAULT_BATCH_SIZE = 32
+
+
+class Source:
+    """What `fit`/`evaluate` received, ready for workers or the coordinator.
+
+    Args:
+        x: A `tf.data.Dataset` of batches, an `input_fn(ctx)` returning one,
+            or arrays (a NumPy array, or a list/dict of them).
+        y: Targets, only with arrays.
+        batch_size: Batch of one step, only with arrays. Defaults to 32.
+        sample_weight: Sample weights, only with arrays.
+        shuffle: Shuffle arrays (differently on every worker) for training.
+
+    Raises:
+        ValueError: If `x` is missing, or `y`, `batch_size` or
+            `sample_weight` is given with a dataset or an `input_fn`.
+    """
+
+    def __init__(
+        self, x, y=None, batch_size=None, sample_weight=None, shuffle=True
+    ):
+        if x is None:
+            raise ValueError(
+                "Under AsyncReplicator, pass `x`: a tf.data.Dataset of "
+                "batches, an input_fn(ctx) returning one, or arrays. "
+                "Received: x=None"
+            )
+        self.dataset = self.input_fn = self.arrays = None
+        if isinstance(x, tf.data.Dataset) or callable(x):
+            for name, value in (
+                ("y", y),
+                ("batch_size", batch_size),
+                ("sample_weight", sample_weight),
+            ):
+                if value is not None:
+                    raise ValueError(
+                        f"`{name}` must be None when `x` is a dataset or an "
+                        f"input_fn; put it in the dataset. Received: "
+                        f"{name}={value!r}"
+                    )
+            if isinstance(x, tf.data.Dataset):
+                self.dataset = x
+            else:
+                self.input_fn = x
+        else:
+            arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+            self.arrays = tf.nest.map_structure(np.asarray, arrays)
+            if len(self.arrays) == 1:
+                self.arrays = self.arrays[0]
+        self.batch_size = batch_size or _DEFAULT_BATCH_SIZE
+        self.shuffle = shuffle
+
+    def element_spec(self):
+        """The structure, shapes and dtypes of one batch."""
+        if self.dataset is not None:
+            return self.dataset.element_spec
+        if self.input_fn is not None:
+            return self._call_input_fn(
+                tf.distribute.InputContext()
+            ).element_spec
+        return tf.nest.map_structure(
+            lambda a: tf.TensorSpec((None, *a.shape[1:]), a.dtype), self.arrays
+        )
+
+    def per_worker_dataset(self, replicator):
+        """A dataset on every worker, repeated forever.
+
+        Args:
+            replicator: The `AsyncReplicator`.
+
+        Returns:
+            What `ClusterCoordinator.create_per_worker_dataset` returns;
+            `iter()` of it is the argument of the scheduled steps.
+        """
+        coordinator = replicator.coordinator
+        if self.input_fn is not None:
+
+            def dataset_fn(ctx):
+                # Repeat: a worker that runs out fails its step; steps are
+                # counted by the coordinator, not by the data.
+                return self._call_input_fn(ctx).repeat()
+
+            return coordinator.create_per_worker_dataset(
+                lambda: replicator.distribute_datasets_from_function(dataset_fn)
+            )
+        if self.dataset is not None:
+            dataset = self.dataset.repeat()
+        else:
+            dataset = tf.data.Dataset.from_tensor_slices(self.arrays)
+            if self.shuffle:
+                # No seed: each worker draws its own order.
+                dataset = dataset.shuffle(len(tf.nest.flatten(self.arrays)[0]))
+            dataset = dataset.repeat().batch(
+                self.batch_size, drop_remainder=True
+            )
+        with warnings.catch_warnings():
+            # Serializing the dataset for the workers warns that tf.data
+            # options now travel in the graph; that is what we want.
+            warnings.filterwarnings(
+                "ignore", "To make it possible to preserve tf.data options"
+            )
+            return coordinator.create_per_worker_dataset(
+                replicator.experimental_distribute_dataset(dataset)
+            )
+
+    def local_dataset(self) -> tf.data.Dataset:
+        """The finite data as batches on the coordinator, in order."""
+        if self.dataset is not None:
+            return self.dataset
+        if self.input_fn is not None:
+            raise ValueError(
+                "An input_fn's dataset is built on the workers; give `steps`."
+                " Received: steps=None"
+            )
+        return tf.data.Dataset.from_tensor_slices(self.arrays).batch(
+            self.batch_size
+        )
+
+    def _call_input_fn(self, ctx):
+        dataset = self.input_fn(ctx)
+        if not isinstance(dataset, tf.data.Dataset):
+            name = getattr(self.input_fn, "__name__", repr(self.input_fn))
+            raise TypeError(
+                "`input_fn` must return a tf.data.Dataset of batches. "
+                f"Received: {name}(ctx) returned {dataset!r}"
+            )
+        return dataset

@@ -1,0 +1,384 @@
+"""Keras 3 `model.fit` / `evaluate` / `predict` under an AsyncReplicator.
+
+Keras 3 dropped parameter-server training (keras-team/keras#18624): its
+trainer calls `strategy.run` on the coordinator, which a
+`ParameterServerStrategy` refuses. `install()` routes `fit`, `evaluate` and
+`predict` of models built under an `AsyncReplicator` to the loops here, and
+leaves every other model on stock Keras:
+
+* `fit` builds a dataset on every worker, schedules `steps_per_epoch`
+  `train_step`s per epoch with the `ClusterCoordinator`, calls the batch
+  hooks as the steps finish (in step order), and takes the epoch's logs from
+  the metric variables on the parameter servers once every step has run.
+* `evaluate` with `steps` schedules that many `test_step`s on the workers;
+  without `steps` it runs on the coordinator over the finite data, so every
+  example counts exactly once. `predict` runs on the coordinator.
+* Keras' `Variable.assign_add`/`assign_sub` read the variable, add and write
+  back: two workers doing that at once lose one update (100 steps on two
+  workers left `optimizer.iterations` at 81). For parameter-server variables
+  the patch uses the variable's own atomic `assign_add`, so iteration counts
+  and metric totals are exact.
+
+The patches are reversible (`uninstall()`), and `tests/test_async_replicator`
+pins the Keras code they replace, so a Keras upgrade that changes it fails a
+test instead of training silently wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import numpy as np
+import tensorflow as tf
+from keras.src import callbacks as callbacks_module
+from keras.src.backend.common import variables as common_variables
+from keras.src.backend.tensorflow import core as tf_core
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.utils.python_utils import pythonify_logs
+from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute import sharded_variable
+
+_Trainer = tf_trainer.TensorFlowTrainer
+_Variable = tf_core.Variable
+_stock = {
+    "fit": _Trainer.fit,
+    "evaluate": _Trainer.evaluate,
+    "predict": _Trainer.predict,
+    "assign_add": common_variables.Variable.assign_add,
+    "assign_sub": common_variables.Variable.assign_sub,
+}
+# Variables a ParameterServerStrategy creates (round-robin, one replica per
+# worker: CachingVariable; several: AggregatingVariable; partitioned:
+# ShardedVariable). Only these get the atomic update.
+_PS_VARIABLES = (
+    ps_values.CachingVariable,
+    ps_values.AggregatingVariable,
+    sharded_variable.ShardedVariable,
+)
+_FIT_UNSUPPORTED = ("validation_split", "class_weight", "sample_weight")
+
+
+def _async_replicator(model):
+    from keras_replicator._src.replicators.async_ps import AsyncReplicator
+
+    strategy = getattr(model, "_distribute_strategy", None)
+    return strategy if isinstance(strategy, AsyncReplicator) else None
+
+
+def _dispatch(name, loop):
+    stock = _stock[name]
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def method(self, *args, **kwargs):
+        replicator = _async_replicator(self)
+        if replicator is None:
+            return stock(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        arguments.update(arguments.pop("kwargs", {}))
+        return loop(self, replicator, **arguments)
+
+    method._keras_replicator_async = True
+    return method
+
+
+def _atomic(name):
+    stock = _stock[name]
+
+    def method(self, value):
+        inner = self._value
+        if not isinstance(inner, _PS_VARIABLES) or (
+            common_variables.in_stateless_scope()
+        ):
+            return stock(self, value)
+        value = self._convert_to_tensor(value, dtype=self._dtype)
+        # One resource op on the parameter server: atomic, unlike Keras'
+        # `self.assign(self + value)` read-modify-write.
+        return getattr(inner, name)(tf.cast(value, inner.dtype))
+
+    method.__name__ = name
+    method._keras_replicator_async = True
+    return method
+
+
+def install() -> None:
+    """Routes fit/evaluate/predict of AsyncReplicator models to this module.
+
+    Idempotent. Models under other strategies keep stock Keras behaviour.
+    """
+    if installed():
+        return
+    _Trainer.fit = _dispatch("fit", fit)
+    _Trainer.evaluate = _dispatch("evaluate", evaluate)
+    _Trainer.predict = _dispatch("predict", predict)
+    _Variable.assign_add = _atomic("assign_add")
+    _Variable.assign_sub = _atomic("assign_sub")
+
+
+def uninstall() -> None:
+    """Restores stock Keras `fit`, `evaluate`, `predict` and variables."""
+    _Trainer.fit = _stock["fit"]
+    _Trainer.evaluate = _stock["evaluate"]
+    _Trainer.predict = _stock["predict"]
+    # The TF Variable class inherits both methods from the common class.
+    for name in ("assign_add", "assign_sub"):
+        if name in vars(_Variable):
+            delattr(_Variable, name)
+
+
+def installed() -> bool:
+    """Whether `install()` is in effect."""
+    return getattr(_Trainer.fit, "_keras_replicator_async", False)
+
+
+def fit(
+    model,
+    replicator,
+    *,
+    x=None,
+    y=None,
+    batch_size=None,
+    epochs=1,
+    verbose="auto",
+    callbacks=None,
+    validation_split=0.0,
+    validation_data=None,
+    shuffle=True,
+    class_weight=None,
+    sample_weight=None,
+    initial_epoch=0,
+    steps_per_epoch=None,
+    validation_steps=None,
+    validation_batch_size=None,
+    validation_freq=1,
+):
+    """`model.fit` under an AsyncReplicator; see the module docstring.
+
+    Raises:
+        ValueError: If `steps_per_epoch` is missing or not a positive
+            integer, an unsupported argument is set, or `x` is unusable.
+    """
+    model._assert_compile_called("fit")
+    _check_steps("steps_per_epoch", steps_per_epoch, "model.fit")
+    for name in _FIT_UNSUPPORTED:
+        value = locals()[name]
+        if value is not None and not (name == "validation_split" and not value):
+            raise ValueError(
+                f"`{name}` is not supported under AsyncReplicator; put it in "
+                f"the dataset instead. Received: {name}={value!r}"
+            )
+    from keras_replicator._src import async_data
+
+    source = async_data.Source(x, y, batch_size, shuffle=shuffle)
+    _build(model, replicator, source)
+    iterator = iter(source.per_worker_dataset(replicator))
+    train_fn = _step_function(model, replicator, model.train_step)
+    callbacks = _callback_list(
+        callbacks, model, verbose, epochs, steps_per_epoch, history=True
+    )
+    model.stop_training = False
+    callbacks.on_train_begin()
+    epoch_logs = None
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        logs = _run_steps(
+            replicator,
+            train_fn,
+            iterator,
+            steps_per_epoch,
+            callbacks.on_train_batch_begin,
+            callbacks.on_train_batch_end,
+        )
+        epoch_logs = dict(model._get_metrics_result_or_logs(logs))
+        if validation_data is not None and model._should_eval(
+            epoch, validation_freq
+        ):
+            val_x, val_y, val_w = _unpack(validation_data)
+            val_logs = evaluate(
+                model,
+                replicator,
+                x=val_x,
+                y=val_y,
+                sample_weight=val_w,
+                batch_size=validation_batch_size or batch_size,
+                steps=validation_steps,
+                callbacks=callbacks,
+                return_dict=True,
+                verbose=0,
+            )
+            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        if model.stop_training:
+            break
+    callbacks.on_train_end(logs=epoch_logs)
+    return model.history
+
+
+def evaluate(
+    model,
+    replicator,
+    *,
+    x=None,
+    y=None,
+    batch_size=None,
+    verbose="auto",
+    sample_weight=None,
+    steps=None,
+    callbacks=None,
+    return_dict=False,
+    **kwargs,
+):
+    """`model.evaluate` under an AsyncReplicator; see the module docstring.
+
+    Raises:
+        ValueError: If `steps` is given but not a positive integer, or
+            `x` is an `input_fn` and `steps` is missing.
+    """
+    model._assert_compile_called("evaluate")
+    kwargs.pop("_use_cached_eval_dataset", None)
+    if kwargs:
+        raise ValueError(f"Arguments not recognized: {kwargs}")
+    from keras_replicator._src import async_data
+
+    source = async_data.Source(
+        x, y, batch_size, sample_weight=sample_weight, shuffle=False
+    )
+    if steps is None and source.input_fn is not None:
+        raise ValueError(
+            "Under AsyncReplicator, `model.evaluate` of an `input_fn` needs "
+            "`steps` (each worker's dataset repeats). Pass finite arrays or "
+            "a tf.data.Dataset to evaluate every example exactly once. "
+            "Received: steps=None"
+        )
+    if steps is not None:
+        _check_steps("steps", steps, "model.evaluate")
+    _build(model, replicator, source)
+    callbacks = _callback_list(callbacks, model, verbose, 1, steps)
+    callbacks.on_test_begin()
+    model.reset_metrics()
+    if steps is None:
+        # On the coordinator, over the finite data: each example once.
+        test_fn = tf.function(model.test_step)
+        logs = {}
+        for step, batch in enumerate(source.local_dataset()):
+            callbacks.on_test_batch_begin(step)
+            logs = test_fn(batch)
+            callbacks.on_test_batch_end(step, pythonify_logs(logs))
+    else:
+        iterator = iter(source.per_worker_dataset(replicator))
+        logs = _run_steps(
+            replicator,
+            _step_function(model, replicator, model.test_step),
+            iterator,
+            steps,
+            callbacks.on_test_batch_begin,
+            callbacks.on_test_batch_end,
+        )
+    logs = pythonify_logs(model._get_metrics_result_or_logs(logs))
+    callbacks.on_test_end(logs)
+    if return_dict:
+        return logs
+    return model._flatten_metrics_in_order(logs)
+
+
+def predict(
+    model,
+    replicator,
+    *,
+    x,
+    batch_size=None,
+    verbose="auto",
+    steps=None,
+    callbacks=None,
+):
+    """`model.predict` under an AsyncReplicator: on the coordinator, in order.
+
+    Returns:
+        NumPy outputs, one row per example of `x`, in order.
+    """
+    from keras_replicator._src import async_data
+
+    source = async_data.Source(x, None, batch_size, shuffle=False)
+    _build(model, replicator, source)
+    dataset = source.local_dataset()
+    if steps is not None:
+        dataset = dataset.take(steps)
+    predict_fn = tf.function(model.predict_step)
+    outputs = [
+        tf.nest.map_structure(np.asarray, predict_fn(batch))
+        for batch in dataset
+    ]
+    del verbose, callbacks  # No per-batch hooks for a local loop.
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
+
+
+def _check_steps(name, value, where):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"Under AsyncReplicator, `{where}` needs `{name}` as a positive "
+            "integer: each worker iterates its dataset forever, so only a "
+            f"step count ends the loop. Received: {name}={value!r}"
+        )
+
+
+def _unpack(data):
+    if isinstance(data, tuple) and len(data) in (2, 3):
+        return (*data, None)[:3]
+    return data, None, None
+
+
+def _build(model, replicator, source):
+    """Creates the model's, metrics' and optimizer's variables on the ps."""
+    with replicator.scope():
+        model._symbolic_build(data_batch=source.element_spec())
+
+
+def _step_function(model, replicator, step):
+    """One scheduled step: the next batch of the worker, on its replicas."""
+
+    def one_step(iterator):
+        outputs = replicator.run(step, args=(next(iterator),))
+        # A step spans one worker; average its replicas' outputs (its
+        # GPUs), as Keras' reduce_per_replica does.
+        return tf.nest.map_structure(
+            lambda v: replicator.reduce("MEAN", v, axis=None), outputs
+        )
+
+    return tf.function(one_step)
+
+
+def _run_steps(replicator, function, iterator, steps, on_begin, on_end):
+    """Schedules `steps` steps, then calls `on_end` as each one finishes."""
+    from keras_replicator._src.replicators import async_ps
+
+    coordinator = replicator.coordinator
+    results = []
+    with async_ps.clear_ps_errors(replicator.cluster_config):
+        for step in range(steps):
+            on_begin(step)
+            results.append(coordinator.schedule(function, args=(iterator,)))
+        logs = {}
+        for step, result in enumerate(results):
+            logs = async_ps.fetch_logs(result)
+            on_end(step, logs)
+        coordinator.join()
+    return logs
+
+
+def _callback_list(callbacks, model, verbose, epochs, steps, history=False):
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        return callbacks
+    return callbacks_module.CallbackList(
+        callbacks,
+        add_history=history,
+        add_progbar=verbose != 0,
+        verbose=verbose,
+        epochs=epochs,
+        steps=steps,
+        model=model,
+    )

@@ -1,0 +1,396 @@
+"""AsyncReplicator: asynchronous training with parameter servers.
+
+The paper's `MultiWorkerAsyncReplicator`. Variables live on parameter-server
+tasks ("ps"); the chief process is the coordinator: it runs the user's
+program and dispatches steps (closures) to worker tasks, each of which reads
+the current variables, computes one step and applies its update without
+waiting for the others. A `tf.distribute.ParameterServerStrategy` with a
+`ClusterCoordinator` does the work; this module adds what Keras 3 lacks
+(`model.fit`/`evaluate`, see `async_training`) and the research API.
+
+Workers and parameter servers run only a TensorFlow server: `serve()` (the
+`SERVE_COMMAND` below, which `keras-replicator launch --ps` uses), or the
+user's own script, whose `AsyncReplicator()` call serves and never returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import tensorflow as tf
+
+from keras_replicator._src import cluster as cluster_lib
+from keras_replicator._src import replicate as replicate_lib
+from keras_replicator._src.replicators import base
+
+# What a worker or ps process runs: a bare TensorFlow server for TF_CONFIG.
+SERVE_COMMAND = (
+    sys.executable,
+    "-c",
+    "from keras_replicator._src.replicators import async_ps; async_ps.serve()",
+)
+# Tasks that only serve; the chief (coordinator) runs the user's program.
+_SERVER_JOBS = ("worker", "ps")
+# A server executes the functions of the coordinator with its inter-op
+# threads; with fewer than this (a 2-core machine) a step that waits on a
+# parameter-server read can starve the thread pool and stall.
+_MIN_INTER_OP_THREADS = 4
+
+
+class AsyncReplicator(
+    base.ReplicatorMixin, tf.distribute.ParameterServerStrategy
+):
+    """Trains asynchronously: workers update variables on parameter servers.
+
+    The cluster has one `"chief"` (the coordinator, which runs your program),
+    one or more `"worker"` tasks and one or more `"ps"` tasks. Create the
+    model under `replicator.scope()`: its variables are placed on the
+    parameter servers, round-robin, or sharded by `variable_partitioner`.
+    `model.fit` then dispatches each step to whichever worker is free; the
+    workers do not wait for each other, so a slow or dead worker does not
+    stop training (its steps are rescheduled on the others).
+
+    Under this replicator `model.fit` needs `steps_per_epoch`, and `x` is a
+    `tf.data.Dataset` of batches, an `input_fn(ctx)` returning one, or NumPy
+    arrays with `batch_size`; each worker builds its own copy and iterates
+    it forever (shuffle it without a fixed seed so workers see different
+    orders). `batch_size` is the batch of one step on one worker.
+
+    On a `"worker"` or `"ps"` task the constructor starts the TensorFlow
+    server and blocks forever, so the same script can run on every task.
+
+    TensorFlow's gRPC cluster traffic is unauthenticated: keep the cluster on
+    a trusted network.
+
+    Example (on the chief; start the cluster with
+    `keras-replicator launch --workers 2 --ps 1 -- python train.py`):
+    ```python
+    replicator = kr.AsyncReplicator()
+    with replicator.scope():
+        model = build_model()
+        model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(dataset, epochs=3, steps_per_epoch=100)
+    ```
+
+    Args:
+        cluster: `None` to read `TF_CONFIG`, a TF_CONFIG JSON string or
+            dict, a `keras_replicator._src.cluster.ClusterConfig`, or a
+            `tf.distribute.cluster_resolver.ClusterResolver`. It must have a
+            `"chief"`, at least one `"worker"` and at least one `"ps"` task.
+        variable_partitioner: None (each variable lives whole on one
+            parameter server, round-robin), a
+            `tf.distribute.experimental.partitioners.Partitioner`, or an
+            integer `min_shard_bytes`: shard variables along their first axis
+            into pieces of at least that many bytes, over at most all
+            parameter servers (for large embeddings). Defaults to None.
+
+    Raises:
+        ValueError: If the cluster is missing or malformed, has no `"ps"`,
+            `"worker"` or `"chief"` task, or `variable_partitioner` is an
+            integer below 1.
+        TypeError: If `cluster` or `variable_partitioner` has an
+            unsupported type.
+    """
+
+    def __init__(
+        self,
+        cluster: Any = None,
+        variable_partitioner: Any = None,
+    ):
+        resolver, config = cluster_lib.resolve(cluster)
+        check_async_cluster(config)
+        partitioner = _partitioner(variable_partitioner, config)
+        if config.task_type in _SERVER_JOBS:
+            # The same script runs on every task; here it only serves.
+            serve(config)
+            sys.exit(0)  # pragma: no cover - serve() never returns
+        self._config = config
+        super().__init__(resolver, variable_partitioner=partitioner)
+        # Creating the coordinator starts one thread per worker that pulls
+        # scheduled steps off a shared queue.
+        self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
+        from keras_replicator._src import async_training
+
+        async_training.install()
+
+    @property
+    def coordinator(self) -> tf.distribute.coordinator.ClusterCoordinator:
+        """The `ClusterCoordinator` that dispatches steps to the workers."""
+        return self._coordinator
+
+    @property
+    def cluster_config(self) -> cluster_lib.ClusterConfig:
+        """The validated cluster this replicator runs on."""
+        return self._config
+
+    @property
+    def is_chief(self) -> bool:
+        """True: only the chief (the coordinator) runs the user's program."""
+        return True
+
+    @property
+    def num_workers(self) -> int:
+        """The number of worker tasks that run steps."""
+        return len(self._config.cluster["worker"])
+
+    @property
+    def num_ps(self) -> int:
+        """The number of parameter-server tasks that hold the variables."""
+        return len(self._config.cluster["ps"])
+
+    @property
+    def worker_index(self) -> int:
+        """0: the coordinator is the only process running user code."""
+        return 0
+
+    @property
+    def replicas_per_worker(self) -> int:
+        """Replicas of one step: one worker's GPUs, or 1 on CPU."""
+        return self.num_replicas_in_sync
+
+    def join(self) -> None:
+        """Waits until every scheduled step has run.
+
+        Raises:
+            tf.errors.OpError: The first error a step raised, e.g. an
+                `UnavailableError` when a parameter server died.
+        """
+        self._coordinator.join()
+
+    def replicate(self, step_fn, input_fn, reduce="mean", steps_per_call=1):
+        """Compiles one worker's step; each call dispatches it asynchronously.
+
+        As `ReplicatorMixin.replicate`, but a call does not wait: it
+        schedules the step on whichever worker is free and returns a
+        `tf.distribute.experimental.coordinator.RemoteValue` at once. Its
+        `fetch()` blocks until that step ran and returns the outputs,
+        reduced over the local replicas of the worker that ran it (a step
+        spans one worker). `replicator.join()` waits for every step.
+
+        `input_fn(ctx)` is traced once and built on every worker;
+        `ctx.input_pipeline_id` is 0 on all of them, so do not shard by it:
+        shuffle without a fixed seed instead. The dataset is repeated: steps
+        go to whichever worker is free, so no worker's copy may run out.
+
+        Args:
+            step_fn: One replica's step, called with that replica's batch.
+            input_fn: Called with a `tf.distribute.InputContext`; returns a
+                `tf.data.Dataset` of per-replica batches.
+            reduce: `"mean"`, `"sum"` or None (a list, one output per
+                replica of the worker). Defaults to `"mean"`.
+            steps_per_call: Steps each call runs, in one closure. Defaults
+                to 1.
+
+        Returns:
+            A callable; each call returns a `RemoteValue`.
+
+        Raises:
+            TypeError: If `step_fn` or `input_fn` is not callable.
+            ValueError: If `reduce` or `steps_per_call` is not supported.
+        """
+        return AsyncReplicatedStep(
+            self, step_fn, input_fn, reduce, steps_per_call
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_workers={self.num_workers}, "
+            f"num_ps={self.num_ps})"
+        )
+
+
+class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
+    """A step that each call schedules on a free worker; see `replicate`."""
+
+    def __init__(self, strategy, step_fn, input_fn, reduce, steps_per_call):
+        # Not super().__init__: the dataset and iterator live on the workers.
+        replicate_lib._validate(step_fn, input_fn, reduce, steps_per_call)
+        self.strategy = strategy
+        self.reduce = reduce
+        self.steps_per_call = steps_per_call
+        self._step_fn = step_fn
+        checked = replicate_lib._checked_input_fn(input_fn)
+
+        def dataset_fn(ctx):
+            return checked(ctx).repeat()
+
+        self.dataset = strategy.coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)
+        )
+        self._iterator = iter(self.dataset)
+        self._function = tf.function(self._run)
+
+    def __call__(self):
+        """Schedules `steps_per_call` steps on a free worker.
+
+        Returns:
+            A `RemoteValue`; `fetch()` returns the last step's outputs.
+        """
+        return self.strategy.coordinator.schedule(
+            self._function, args=(self._iterator,)
+        )
+
+
+class ParameterServerError(RuntimeError):
+    """A parameter server died: its variables are gone, training stopped."""
+
+
+def is_ps_failure(error: BaseException) -> bool:
+    """Whether a step's error says a parameter server is unreachable."""
+    return isinstance(
+        error, (tf.errors.UnavailableError, tf.errors.AbortedError)
+    ) and ("/job:ps" in str(error))
+
+
+@contextlib.contextmanager
+def clear_ps_errors(
+    config: cluster_lib.ClusterConfig | None = None,
+) -> Iterator[None]:
+    """Turns a parameter-server failure into a `ParameterServerError`.
+
+    TensorFlow reports it as an `UnavailableError` deep in a gRPC message;
+    the variables on that server are lost, so no retry can help.
+
+    Args:
+        config: The cluster, to name the dead server's address.
+
+    Raises:
+        ParameterServerError: If a parameter server is unreachable.
+    """
+    try:
+        yield
+    except tf.errors.OpError as e:
+        if not is_ps_failure(e):
+            raise
+        match = re.search(r"/job:ps/replica:\d+/task:(\d+)", str(e))
+        task = f"/job:ps/task:{match.group(1)}" if match else "/job:ps"
+        if match and config is not None:
+            task += f" ({config.cluster['ps'][int(match.group(1))]})"
+        raise ParameterServerError(
+            f"Parameter server {task} stopped responding, so the variables "
+            "it held are lost and training cannot continue. Restart the "
+            "cluster and restore the last checkpoint (e.g. with "
+            "keras.callbacks.BackupAndRestore). TensorFlow reported: "
+            f"{type(e).__name__}: {_ps_line(e)}"
+        ) from e
+
+
+def fetch_logs(result) -> dict:
+    """Fetches a step's outputs as Python logs, tolerating a lost worker.
+
+    A worker that died after its step ran took the outputs with it; the
+    step's update is already on the parameter servers, so its logs are
+    skipped (`{}`) rather than failing the run.
+
+    Args:
+        result: The `RemoteValue` of a scheduled step.
+
+    Returns:
+        The step's logs, or `{}` if they were lost with their worker.
+
+    Raises:
+        tf.errors.OpError: Any error of the step itself, or of a
+            parameter server.
+    """
+    from keras.src.utils.python_utils import pythonify_logs
+
+    try:
+        return pythonify_logs(result.fetch())
+    except (
+        tf.errors.UnavailableError,
+        tf.errors.AbortedError,
+        tf.errors.CancelledError,
+    ) as e:
+        if is_ps_failure(e):
+            raise
+        return {}
+
+
+def _ps_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if "/job:ps" not in line and "error" not in line.lower():
+            return line[:200]
+    return lines[0][:200] if lines else ""
+
+
+def check_async_cluster(config: cluster_lib.ClusterConfig) -> None:
+    """Checks that a cluster has the chief, worker and ps tasks PS needs.
+
+    Args:
+        config: A validated `ClusterConfig`.
+
+    Raises:
+        ValueError: If a job is missing, naming the cluster received.
+    """
+    jobs = {job: list(a) for job, a in config.cluster.items()}
+    needs = (
+        ("ps", "a 'ps' job (parameter servers hold the variables)"),
+        ("worker", "a 'worker' job (workers run the steps)"),
+        ("chief", "a 'chief' job (the coordinator that runs your program)"),
+    )
+    for job, why in needs:
+        if not config.cluster.get(job):
+            raise ValueError(
+                f"AsyncReplicator needs {why}; this cluster has none. Start "
+                "one with `keras-replicator launch --workers N --ps M`, or "
+                f"add it to TF_CONFIG. Received: cluster={jobs}"
+            )
+
+
+def _partitioner(value: Any, config: cluster_lib.ClusterConfig):
+    if value is None or isinstance(
+        value, tf.distribute.experimental.partitioners.Partitioner
+    ):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            "`variable_partitioner` must be None, a tf.distribute."
+            "experimental.partitioners.Partitioner or an integer "
+            f"min_shard_bytes. Received: variable_partitioner={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    if value < 1:
+        raise ValueError(
+            "`variable_partitioner` as min_shard_bytes must be at least 1. "
+            f"Received: variable_partitioner={value}"
+        )
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=value, max_shards=len(config.cluster["ps"])
+    )
+
+
+def serve(config: cluster_lib.ClusterConfig | None = None) -> None:
+    """Runs this task's TensorFlow server (a worker or ps) until killed.
+
+    Args:
+        config: The cluster and this task. Defaults to `TF_CONFIG`.
+
+    Raises:
+        ValueError: If the task is not a `"worker"` or `"ps"` task.
+    """
+    if config is None:
+        config = cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG", ""))
+    if config.task_type not in _SERVER_JOBS:
+        raise ValueError(
+            f"Only {_SERVER_JOBS} tasks serve; the chief runs the program. "
+            f"Received: task.type={config.task_type!r}"
+        )
+    server_config = tf.compat.v1.ConfigProto()
+    server_config.inter_op_parallelism_threads = max(
+        _MIN_INTER_OP_THREADS, os.cpu_count() or 1
+    )
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(config.to_dict()["cluster"]),
+        job_name=config.task_type,
+        task_index=config.task_index,
+        protocol="grpc",
+        config=server_config,
+        start=True,
+    )
+    server.join()

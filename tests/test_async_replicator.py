@@ -1,0 +1,186 @@
+"""AsyncReplicator without a cluster: bad input and the Keras patches.
+
+The cluster tests are in tests/multi_worker/test_async.py.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src.backend.common import variables as common_variables
+from keras.src.backend.tensorflow import trainer as tf_trainer
+
+import keras_replicator as kr
+from keras_replicator._src import async_data
+from keras_replicator._src import async_training
+from keras_replicator._src.replicators import async_ps
+
+
+def _cluster(task="chief", **jobs):
+    ports = iter(range(20000, 20100))
+    cluster = {
+        job: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
+        for job, n in jobs.items()
+    }
+    return {"cluster": cluster, "task": {"type": task, "index": 0}}
+
+
+@pytest.mark.parametrize(
+    "jobs, missing",
+    [
+        (dict(chief=1, worker=2), "'ps' job"),
+        (dict(chief=1, ps=1), "'worker' job"),
+        (dict(worker=2, ps=1), "'chief' job"),
+    ],
+)
+def test_rejects_cluster_without_a_required_job(jobs, missing):
+    task = "chief" if "chief" in jobs else "worker"
+    with pytest.raises(ValueError, match=missing) as info:
+        kr.AsyncReplicator(cluster=_cluster(task, **jobs))
+    assert "Received: cluster={" in str(info.value)
+
+
+def test_rejects_missing_cluster(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(ValueError, match="Received: cluster=None"):
+        kr.AsyncReplicator()
+
+
+@pytest.mark.parametrize(
+    "value, error, text",
+    [
+        ("big", TypeError, "Received: variable_partitioner='big'"),
+        (0, ValueError, "Received: variable_partitioner=0"),
+    ],
+)
+def test_rejects_bad_variable_partitioner(value, error, text):
+    cluster = _cluster(chief=1, worker=1, ps=2)
+    with pytest.raises(error, match=text):
+        kr.AsyncReplicator(cluster=cluster, variable_partitioner=value)
+
+
+def test_min_shard_bytes_shards_over_every_ps():
+    config = kr._src.cluster.parse_tf_config(_cluster(chief=1, worker=1, ps=3))
+    partitioner = async_ps._partitioner(1024, config)
+    # 1,000 rows of 64 float32 = 256 KB: capped at one shard per ps.
+    assert partitioner(tf.TensorShape([1000, 64]), tf.float32) == [3, 1]
+    assert partitioner(tf.TensorShape([4, 64]), tf.float32) == [1, 1]
+
+
+@pytest.mark.parametrize("steps", [None, 0, 2.5, True])
+def test_fit_rejects_missing_or_bad_steps_per_epoch(steps):
+    model = _compiled_model()
+    with pytest.raises(ValueError, match=f"Received: steps_per_epoch={steps}"):
+        async_training.fit(
+            model,
+            None,
+            x=np.zeros((4, 3)),
+            y=np.zeros((4, 1)),
+            epochs=1,
+            steps_per_epoch=steps,
+        )
+
+
+def test_fit_rejects_unsupported_arguments():
+    model = _compiled_model()
+    with pytest.raises(ValueError, match="Received: class_weight="):
+        async_training.fit(
+            model,
+            None,
+            x=np.zeros((4, 3)),
+            steps_per_epoch=1,
+            class_weight={0: 1.0},
+        )
+
+
+def test_source_rejects_targets_with_a_dataset():
+    dataset = tf.data.Dataset.from_tensor_slices(np.zeros((4, 3))).batch(2)
+    with pytest.raises(ValueError, match="Received: y="):
+        async_data.Source(dataset, y=np.zeros(4))
+    with pytest.raises(ValueError, match="Received: x=None"):
+        async_data.Source(None)
+
+
+def test_ps_failure_becomes_a_clear_error_naming_the_server():
+    config = kr._src.cluster.parse_tf_config(_cluster(chief=1, worker=1, ps=2))
+    error = tf.errors.UnavailableError(
+        None,
+        None,
+        "Graph execution error:\n\nfailed to connect to all addresses\n"
+        "Additional GRPC error information from remote target "
+        "/job:ps/replica:0/task:1/device:CPU:0 while calling ...",
+    )
+    with pytest.raises(async_ps.ParameterServerError) as info:
+        with async_ps.clear_ps_errors(config):
+            raise error
+    assert "/job:ps/task:1 (127.0.0.1:20003)" in str(info.value)
+    assert "failed to connect to all addresses" in str(info.value)
+    # A worker failure, or any other error, passes through unchanged.
+    other = tf.errors.InvalidArgumentError(None, None, "bad shape")
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        with async_ps.clear_ps_errors(config):
+            raise other
+
+
+@pytest.fixture
+def patched():
+    was_installed = async_training.installed()
+    async_training.install()
+    yield
+    if not was_installed:
+        async_training.uninstall()
+
+
+def test_patch_leaves_other_strategies_on_stock_keras(patched):
+    replicator = kr.LocalReplicator(num_replicas=2)
+    with replicator.scope():
+        model = _compiled_model()
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    history = model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0)
+    # Stock fit: 4 batches per epoch, counted once each.
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert len(history.history["loss"]) == 2
+    variable = keras.Variable(1.0)
+    variable.assign_add(2.0)
+    variable.assign_sub(0.5)
+    assert float(variable.numpy()) == 2.5
+
+
+def test_uninstall_restores_stock_keras(patched):
+    assert async_training.installed()
+    async_training.uninstall()
+    trainer = tf_trainer.TensorFlowTrainer
+    assert not async_training.installed()
+    assert trainer.fit is async_training._stock["fit"]
+    assert trainer.evaluate is async_training._stock["evaluate"]
+    assert trainer.predict is async_training._stock["predict"]
+    assert "assign_add" not in vars(async_training._Variable)
+    async_training.install()
+    assert async_training.installed()
+
+
+def test_keras_code_the_patches_replace_is_unchanged():
+    # If a Keras upgrade changes any of this, revisit async_training: the
+    # patch may be unneeded (atomic updates) or miss a new fit argument.
+    source = inspect.getsource(common_variables.Variable.assign_add)
+    assert "self.assign(self + value)" in source
+    stock_fit = inspect.signature(async_training._stock["fit"])
+    ours = inspect.signature(async_training.fit)
+    assert set(stock_fit.parameters) - {"self"} <= set(ours.parameters)
+    stock_eval = inspect.signature(async_training._stock["evaluate"])
+    assert set(stock_eval.parameters) - {"self"} <= set(
+        inspect.signature(async_training.evaluate).parameters
+    )
+    stock_predict = inspect.signature(async_training._stock["predict"])
+    assert set(stock_predict.parameters) - {"self"} <= set(
+        inspect.signature(async_training.predict).parameters
+    )
+
+
+def _compiled_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
