@@ -145,8 +145,11 @@ class MetricReduction(keras.callbacks.Callback):
         # global sums, so these results are exact over every replica.
         results = self.model.get_metrics_result()
         for key, value in results.items():
-            if key in logs:
-                logs[key] = float(np.asarray(value))
+            value = np.asarray(value)
+            # Non-scalar results (e.g. per-class F1) are left as Keras made
+            # them; they are epoch-exact already.
+            if key in logs and value.ndim == 0:
+                logs[key] = float(value)
         return frozenset(results)
 
     def _examples(self):
