@@ -113,8 +113,8 @@ def test_launch_rejects_bad_arguments():
         launch.launch([], workers=2)
     with pytest.raises(ValueError, match="Received: workers=0"):
         launch.launch(["true"], workers=0)
-    with pytest.raises(ValueError, match="Received: ps=1"):
-        launch.launch(["true"], workers=1, ps=1)
+    with pytest.raises(ValueError, match="Received: ps=-1"):
+        launch.launch(["true"], workers=1, ps=-1)
     assert cli.main(["launch", "--workers", "2"]) == 2
 
 

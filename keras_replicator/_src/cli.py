@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ps",
         type=int,
         default=0,
-        help="parameter-server tasks (not supported yet; must be 0)",
+        help="parameter-server tasks; with M > 0 the command runs on a "
+        "chief (kr.AsyncReplicator) and workers/ps run TensorFlow servers",
     )
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_launch)

@@ -93,13 +93,16 @@ def launch(
             `["python", "train.py"]`.
         workers: The number of worker processes, at least 1.
         replicas_per_worker: CPU replicas per worker (see `worker_environ`).
-        ps: Parameter-server tasks. Only 0 is supported so far.
+        ps: Parameter-server tasks. With `ps > 0`, `command` runs on a
+            "chief" task only (the `AsyncReplicator` coordinator), and the
+            `workers` worker tasks and `ps` ps tasks run TensorFlow servers;
+            the run ends when the chief exits. Defaults to 0.
         out: Where prefixed output goes. Defaults to `sys.stdout`.
 
     Returns:
-        0 if every worker succeeded; else the exit code of the first worker
-        that failed (128 + N for a worker ended by signal N); 130 after
-        Ctrl-C.
+        0 if every worker (with `ps`: the chief) succeeded; else the exit
+        code of the first worker that failed (128 + N for a worker ended by
+        signal N); 130 after Ctrl-C.
 
     Raises:
         ValueError: If `command` is empty, or `workers` or `ps` is out of
@@ -115,14 +118,26 @@ def launch(
             "`workers` must be a positive integer. "
             f"Received: workers={workers!r}"
         )
-    if ps:
-        # TODO(multi-worker): parameter servers arrive with AsyncReplicator.
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
         raise ValueError(
-            "Parameter-server tasks are not supported by `launch` yet. "
-            f"Received: ps={ps!r}"
+            f"`ps` must be a non-negative integer. Received: ps={ps!r}"
         )
     out = out or sys.stdout
     ports = free_ports(workers)
+    # With parameter servers, `command` runs on the chief only; workers and
+    # ps tasks run a bare TensorFlow server (see async_ps.SERVE_COMMAND).
+    tasks = (
+        _ps_tasks(command, workers, ps, replicas_per_worker)
+        if ps
+        else [
+            (
+                f"worker {i}",
+                command,
+                worker_environ(ports, i, replicas_per_worker),
+            )
+            for i in range(workers)
+        ]
+    )
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -132,10 +147,10 @@ def launch(
         # Treat SIGTERM like Ctrl-C, so workers never outlive the launcher.
         signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        for index in range(workers):
+        for name, argv, env in tasks:
             proc = subprocess.Popen(
-                list(command),
-                env=worker_environ(ports, index, replicas_per_worker),
+                list(argv),
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -146,12 +161,14 @@ def launch(
             procs.append(proc)
             pump = threading.Thread(
                 target=_pump,
-                args=(proc.stdout, f"[worker {index}] ", out, lock),
+                args=(proc.stdout, f"[{name}] ", out, lock),
                 daemon=True,
             )
             pump.start()
             pumps.append(pump)
-        code = _wait_all(procs, out, lock)
+        # Under parameter servers the chief's exit ends the run: servers
+        # never exit, and a dead worker's steps move to the others.
+        code = _wait_all(procs[:1] if ps else procs, out, lock)
     except KeyboardInterrupt:
         _print(out, lock, "[launch] interrupted; ending all workers")
         code = 130
@@ -162,6 +179,30 @@ def launch(
         if in_main:
             signal.signal(signal.SIGTERM, previous)
     return code
+
+
+def _ps_tasks(command, workers, ps, replicas_per_worker):
+    """(name, argv, env) of the chief, workers and ps of a loopback cluster."""
+    from keras_replicator._src.replicators import async_ps
+
+    ports = iter(free_ports(1 + workers + ps))
+    cluster = {
+        job: [f"{LOOPBACK}:{next(ports)}" for _ in range(count)]
+        for job, count in (("chief", 1), ("worker", workers), ("ps", ps))
+    }
+    tasks = []
+    for job, addresses in cluster.items():
+        for index in range(len(addresses)):
+            env = dict(os.environ)
+            env["TF_CONFIG"] = cluster_lib.parse_tf_config(
+                {"cluster": cluster, "task": {"type": job, "index": index}}
+            ).to_json()
+            if replicas_per_worker is not None:
+                env[CPU_REPLICAS_ENV] = str(replicas_per_worker)
+            argv = command if job == "chief" else async_ps.SERVE_COMMAND
+            name = "chief" if job == "chief" else f"{job} {index}"
+            tasks.append((name, argv, env))
+    return tasks
 
 
 def _raise_interrupt(signum, frame):

@@ -6,9 +6,14 @@ counts, a finished fit after a worker is killed, and a clear error soon after
 the parameter server is killed.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.multi_worker import async_cluster
+from tests.multi_worker import harness
 
 pytestmark = pytest.mark.multi_worker
 
@@ -175,3 +180,54 @@ def test_worker_death_finishes_fit_and_ps_death_raises_soon():
     assert r["ps_error"] == "ParameterServerError", r
     assert "/job:ps/task:0 (127.0.0.1:" in r["ps_message"]
     assert r["ps_seconds"] < 60
+
+
+LAUNCHED = """
+import json, os
+import keras, numpy as np
+import keras_replicator as kr
+
+config = json.loads(os.environ["TF_CONFIG"])
+print("jobs", sorted(config["cluster"]), "task", config["task"]["type"])
+replicator = kr.AsyncReplicator()
+with replicator.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+model.fit(x, x.sum(1), batch_size=8, epochs=2, steps_per_epoch=10, verbose=0)
+print("iterations", int(model.optimizer.iterations.numpy()))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_launch_with_ps_runs_the_command_on_the_chief():
+    command = [
+        sys.executable,
+        "-c",
+        "from keras_replicator._src import cli; raise SystemExit(cli.main())",
+        "launch",
+        "--workers",
+        "2",
+        "--ps",
+        "1",
+        "--",
+        sys.executable,
+        "-c",
+        LAUNCHED,
+    ]
+    env = dict(os.environ, PYTHONPATH=str(harness.REPO_ROOT))
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=150)
+    finally:
+        harness._kill(proc)
+    assert proc.returncode == 0, output
+    assert "[chief] jobs ['chief', 'ps', 'worker'] task chief" in output
+    assert "[chief] iterations 20" in output
