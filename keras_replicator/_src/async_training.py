@@ -333,9 +333,25 @@ def _unpack(data):
 
 
 def _build(model, replicator, source):
-    """Creates the model's, metrics' and optimizer's variables on the ps."""
+    """Creates the model's, metrics' and optimizer's variables on the ps.
+
+    Raises:
+        NotImplementedError: If a trainable variable was sharded by the
+            replicator's `variable_partitioner`.
+    """
     with replicator.scope():
         model._symbolic_build(data_batch=source.element_spec())
+    for variable in model.trainable_variables:
+        if isinstance(variable.value, sharded_variable.ShardedVariable):
+            # Keras' train_step asks the tape for `variable.handle`, which a
+            # ShardedVariable does not have (AttributeError deep in fit).
+            raise NotImplementedError(
+                "`variable_partitioner` sharded a trainable variable, and "
+                "Keras 3's train_step cannot take gradients of a sharded "
+                "variable yet. Use variable_partitioner=None with model.fit. "
+                f"Received: sharded variable {variable.path!r} of shape "
+                f"{tuple(variable.shape)}"
+            )
 
 
 def _step_function(model, replicator, step):
