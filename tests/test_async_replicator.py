@@ -4,6 +4,7 @@ The cluster tests are in tests/multi_worker/test_async.py.
 """
 
 import inspect
+import json
 
 import keras
 import numpy as np
@@ -184,3 +185,13 @@ def _compiled_model():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
     return model
+
+
+def test_auto_picks_async_replicator_for_a_cluster_with_ps(monkeypatch):
+    from keras_replicator._src.replicators import auto as auto_lib
+
+    config = _cluster(chief=1, worker=2, ps=1)
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    choice = auto_lib.choose()
+    assert choice.backend == "AsyncReplicator"
+    assert "parameter servers" in choice.reason

@@ -45,7 +45,14 @@ def choose() -> Choice:
             "TPU chips)",
         )
     found = cluster_lib.detect()
-    if found and not cluster_lib.has_ps_tasks():
+    if found and cluster_lib.has_ps_tasks():
+        return Choice(
+            "AsyncReplicator",
+            {},
+            f"found a {found} cluster with parameter servers: asynchronous "
+            "training coordinated by the chief",
+        )
+    if found:
         return Choice(
             "MultiWorkerReplicator",
             {},
@@ -78,6 +85,7 @@ def auto() -> tf.distribute.Strategy:
     Returns:
         A replicator (a `tf.distribute.Strategy` subclass).
     """
+    from keras_replicator._src.replicators.async_ps import AsyncReplicator
     from keras_replicator._src.replicators.local import LocalReplicator
     from keras_replicator._src.replicators.multi_worker import (
         MultiWorkerReplicator,
@@ -85,6 +93,7 @@ def auto() -> tf.distribute.Strategy:
     from keras_replicator._src.replicators.tpu import TpuReplicator
 
     backends = {
+        "AsyncReplicator": AsyncReplicator,
         "LocalReplicator": LocalReplicator,
         "MultiWorkerReplicator": MultiWorkerReplicator,
         "TpuReplicator": TpuReplicator,
