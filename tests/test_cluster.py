@@ -105,9 +105,18 @@ def test_detects_tf_config_and_slurm():
     assert cluster.detect({}) is None
     assert cluster.detect({"TF_CONFIG": "{}"}) is None
     assert cluster.detect({"TF_CONFIG": json.dumps(GOOD)}) == "TF_CONFIG"
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    slurm = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+    }
     assert cluster.detect(slurm) == "Slurm"
     assert cluster.detect({**slurm, "SLURM_NTASKS": "1"}) is None
+    assert cluster.detect({"PMI_RANK": "0", "PMI_SIZE": "2"}) == "MPI"
+    # TF_CONFIG wins over a launcher's variables.
+    tf_config = {"TF_CONFIG": json.dumps(GOOD)}
+    assert cluster.detect({**slurm, **tf_config}) == "TF_CONFIG"
 
 
 def test_auto_chooses_multi_worker_under_a_cluster(monkeypatch):

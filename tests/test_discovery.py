@@ -163,3 +163,33 @@ def test_mpi_variables_of_each_implementation():
 def test_no_launcher_or_single_process_is_none():
     assert discovery.detect({}) is None
     assert discovery.detect({"PMI_RANK": "0", "PMI_SIZE": "1"}) is None
+
+
+def test_env_command_shows_the_slurm_launcher_and_cluster():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "TF_CONFIG" and not k.startswith(("SLURM_", "PMI_"))
+    }
+    env.update(SLURM_1_NODE_4_TASKS, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_replicator._src.cli", "env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "launcher: slurm: rank 2 of 4 (local rank 2 of 4)" in result.stdout
+    line = next(
+        x for x in result.stdout.splitlines() if x.startswith("cluster: ")
+    )
+    config = json.loads(line[len("cluster: ") :])
+    assert config["task"] == {"type": "worker", "index": 2}
+    assert len(config["cluster"]["worker"]) == 4
+    assert "auto() picks: MultiWorkerReplicator" in result.stdout

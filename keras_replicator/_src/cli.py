@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 
@@ -34,10 +36,17 @@ def _env(args: argparse.Namespace) -> int:
     import keras
     import tensorflow as tf
 
+    from keras_replicator._src import discovery
     from keras_replicator._src.replicators import auto
 
     choice = auto.choose()
     print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    launched = discovery.detect()
+    if launched is not None and "TF_CONFIG" not in os.environ:
+        # Under mpiexec every rank runs this, so the exchange completes.
+        launched = discovery.exchange_addresses(launched)
+        print(f"launcher: {launched.describe()}")
+        print(f"cluster: {json.dumps(launched.tf_config())}")
     print(f"auto() picks: {choice.describe()}")
     return 0
 

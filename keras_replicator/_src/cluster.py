@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+from keras_replicator._src import discovery
+
 TF_CONFIG = "TF_CONFIG"
 # Jobs of a synchronous cluster; "ps" belongs to the parameter-server backend.
 JOB_TYPES = ("chief", "worker", "ps", "evaluator")
@@ -38,11 +40,21 @@ class ClusterConfig:
         cluster: Job name -> list of `host:port` addresses, one per task.
         task_type: This process's job, e.g. `"worker"`.
         task_index: This process's index within its job, from 0.
+        launcher: `"slurm"` or `"mpi"` when discovered from a launcher's
+            environment, else None.
+        local_rank: This process's index among the workers of its host
+            (from Slurm or MPI; 0 otherwise).
+        local_size: The number of workers on this host (1 if unknown).
     """
 
     cluster: Mapping[str, Sequence[str]]
     task_type: str
     task_index: int
+    # Set when Slurm or MPI started this process (see `discovery`): which
+    # one, and this process's place among the workers of its host.
+    launcher: str | None = None
+    local_rank: int = 0
+    local_size: int = 1
 
     @property
     def num_workers(self) -> int:
@@ -224,15 +236,12 @@ def make_tf_config(
 
 def slurm_present(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process is one task of a multi-task Slurm job step."""
-    environ = os.environ if environ is None else environ
-    if "SLURM_JOB_ID" not in environ or "SLURM_PROCID" not in environ:
-        return False
-    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
-    return (tasks or "1").isdigit() and int(tasks or "1") > 1
+    found = discovery.detect(environ)
+    return found is not None and found.launcher == "slurm"
 
 
 def detect(environ: Mapping[str, str] | None = None) -> str | None:
-    """Names the cluster environment present: "TF_CONFIG", "Slurm" or None.
+    """Names the cluster environment present: "TF_CONFIG", "Slurm", "MPI".
 
     A TF_CONFIG without a cluster (TensorFlow accepts `{}`) counts as none.
 
@@ -240,7 +249,11 @@ def detect(environ: Mapping[str, str] | None = None) -> str | None:
         environ: The environment to look at. Defaults to `os.environ`.
 
     Returns:
-        `"TF_CONFIG"`, `"Slurm"` or `None`.
+        `"TF_CONFIG"`, `"Slurm"`, `"MPI"` or `None`. TF_CONFIG wins over
+        Slurm, and Slurm over MPI (see `discovery`).
+
+    Raises:
+        ValueError: If Slurm or MPI variables are inconsistent.
     """
     environ = os.environ if environ is None else environ
     text = environ.get(TF_CONFIG, "").strip()
@@ -253,8 +266,9 @@ def detect(environ: Mapping[str, str] | None = None) -> str | None:
             has_cluster = True
         if has_cluster:
             return TF_CONFIG
-    if slurm_present(environ):
-        return "Slurm"
+    found = discovery.detect(environ)
+    if found is not None:
+        return {"slurm": "Slurm", "mpi": "MPI"}[found.launcher]
     return None
 
 
@@ -289,12 +303,23 @@ def resolve(cluster: Any = None):
         found = detect()
         if found == TF_CONFIG:
             cluster = os.environ[TF_CONFIG]
-        elif found == "Slurm":
-            cluster = tf.distribute.cluster_resolver.SlurmClusterResolver()
+        elif found in ("Slurm", "MPI"):
+            # Our own discovery rather than TF's SlurmClusterResolver: it
+            # needs no `scontrol` binary, and it covers MPI launches too.
+            launched = discovery.exchange_addresses(discovery.detect())
+            config = parse_tf_config(launched.tf_config())
+            config = dataclasses.replace(
+                config,
+                launcher=launched.launcher,
+                local_rank=launched.local_rank,
+                local_size=launched.local_size,
+            )
+            return config.resolver(), config
         else:
             raise ValueError(
                 "No cluster found: set TF_CONFIG (or start the workers with "
-                "`keras-replicator launch`), run under Slurm, or pass "
+                "`keras-replicator launch`), run under Slurm or mpiexec, or "
+                "pass "
                 "`cluster=`. For one host, use `LocalReplicator`. "
                 "Received: cluster=None"
             )

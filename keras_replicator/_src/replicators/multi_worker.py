@@ -11,6 +11,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import devices as devices_lib
 from keras_replicator._src import keras_compat
+from keras_replicator._src import startup_watchdog
 from keras_replicator._src.callbacks import chief_only
 from keras_replicator._src.replicators import base
 
@@ -93,6 +94,7 @@ class MultiWorkerReplicator(
             )
         self._cluster_config = config
         self._timeout_seconds = timeout_seconds
+        _take_gpu_share(config)
         device_type, count = _local_devices(replicas_per_worker)
         # Read by CollectiveAllReduceExtended; see
         # base.next_collective_key_base.
@@ -108,9 +110,14 @@ class MultiWorkerReplicator(
         chief_only.install()
         # One all-reduce per step for all of Keras' logs; see keras_compat.
         keras_compat.install()
-        extended = _MultiWorkerExtended(
-            self, resolver, options, device_type=device_type, count=count
-        )
+        # TF blocks forever (ignoring SIGTERM) when a peer never comes up;
+        # the watchdog ends the process with an error naming it instead.
+        cluster = config.cluster
+        me = cluster[config.task_type][config.task_index]
+        with startup_watchdog.bounded_startup(cluster, me, timeout_seconds):
+            extended = _MultiWorkerExtended(
+                self, resolver, options, device_type=device_type, count=count
+            )
         # Skip MultiWorkerMirroredStrategy.__init__: it builds its own
         # extended object, which can only place one replica per CPU worker.
         tf.distribute.Strategy.__init__(self, extended)
@@ -158,6 +165,26 @@ class _MultiWorkerExtended(_Extended):
             for i in range(self._kr_count)
         )
         return devices, self._kr_device_type
+
+
+def _take_gpu_share(config: cluster_lib.ClusterConfig) -> None:
+    """Under Slurm or MPI, each of a host's workers takes its own GPUs.
+
+    With G GPUs and L workers on a host, local rank r sees GPUs
+    [r * G // L, (r + 1) * G // L). Untested here: this machine has no GPU.
+    """
+    physical = tf.config.list_physical_devices("GPU")
+    if config.local_size <= 1 or not physical:
+        return
+    share = len(physical) // config.local_size
+    if share < 1:
+        raise ValueError(
+            f"This host has {len(physical)} GPU(s) for {config.local_size} "
+            "workers; start at most one worker per GPU. Received: "
+            f"local_size={config.local_size}"
+        )
+    start = config.local_rank * share
+    tf.config.set_visible_devices(physical[start : start + share], "GPU")
 
 
 def _local_devices(replicas_per_worker: int | None) -> tuple[str, int]:

@@ -1,0 +1,112 @@
+"""Bounds how long a worker waits for its peers when the cluster starts.
+
+When a peer never comes up (it crashed, its address is wrong, a firewall
+drops its port), TensorFlow's multi-worker start-up blocks forever inside its
+C++ runtime (`context.ensure_initialized`), holding the GIL and ignoring
+SIGTERM. Nothing in this process can interrupt it, not even a Python thread,
+so a small watchdog child process does the one bounded thing left: once
+`timeout_seconds` pass without the replicator being ready, it probes every
+peer's address, prints an error naming the tasks it could not reach, and
+ends the stuck process with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+
+
+def unreachable(
+    cluster: Mapping[str, Sequence[str]], me: str, probe_seconds: float = 2.0
+) -> list[str]:
+    """The `job:index at host:port` of peers that refuse TCP connections."""
+    lost = []
+    for job in sorted(cluster):
+        for index, address in enumerate(cluster[job]):
+            if address == me:
+                continue
+            host, _, port = address.rpartition(":")
+            try:
+                with socket.create_connection(
+                    (host.strip("[]"), int(port)), timeout=probe_seconds
+                ):
+                    pass
+            except OSError:
+                lost.append(f"{job}:{index} at {address}")
+    return lost
+
+
+def message(lost: Sequence[str], timeout_seconds: float, me: str) -> str:
+    """The error printed when start-up times out."""
+    who = ", ".join(lost) if lost else "(every address accepts connections)"
+    return (
+        f"keras_replicator: the multi-worker cluster did not start within "
+        f"{timeout_seconds:g} s (timeout_seconds). This task ({me}) could "
+        f"not reach: {who}. Check that every worker was started, with the "
+        "same cluster spec, and that these addresses are reachable from "
+        "here. Ending this process (SIGKILL), which TensorFlow would "
+        "otherwise keep waiting forever."
+    )
+
+
+@contextlib.contextmanager
+def bounded_startup(
+    cluster: Mapping[str, Sequence[str]],
+    me: str,
+    timeout_seconds: float | None,
+) -> Iterator[None]:
+    """Ends the process if the body has not finished within the timeout.
+
+    Args:
+        cluster: Job name -> addresses, as in TF_CONFIG.
+        me: This task's own address (not probed).
+        timeout_seconds: The bound; None disables the watchdog.
+
+    Yields:
+        Nothing; the body is the blocking start-up.
+    """
+    if timeout_seconds is None:
+        yield
+        return
+    spec = json.dumps([os.getpid(), timeout_seconds, dict(cluster), me])
+    # The child imports only this module (no TensorFlow): it starts in
+    # milliseconds and needs nothing from the stuck parent.
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, spec],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+
+
+_CHILD = (
+    "import sys; from keras_replicator._src import startup_watchdog as w; "
+    "w._watch(sys.argv[1])"
+)
+
+
+def _watch(spec: str) -> None:
+    """The child: waits, then probes, reports and kills the parent."""
+    parent, timeout_seconds, cluster, me = json.loads(spec)
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        if os.getppid() != parent:  # The parent is gone: nothing to do.
+            return
+    lost = unreachable(cluster, me)
+    print(message(lost, timeout_seconds, me), file=sys.stderr, flush=True)
+    os.kill(parent, signal.SIGKILL)
