@@ -12,6 +12,8 @@ import os
 
 import tensorflow as tf
 
+from keras_replicator._src import validation
+
 # Replicators split the CPU into at least this many logical devices the first
 # time, so that a notebook can later ask for more replicas (up to this number)
 # without a kernel restart. Logical CPU devices share one thread pool, so the
@@ -48,15 +50,7 @@ def configure_cpu_replicas(num_replicas: int) -> int:
         RuntimeError: If TensorFlow has already initialised fewer logical CPU
             devices than `num_replicas`.
     """
-    if (
-        isinstance(num_replicas, bool)
-        or not isinstance(num_replicas, int)
-        or num_replicas < 1
-    ):
-        raise ValueError(
-            "`num_replicas` must be a positive integer. "
-            f"Received: num_replicas={num_replicas!r}"
-        )
+    validation.check_positive_int("num_replicas", num_replicas)
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu) or []
     if len(current) >= num_replicas:

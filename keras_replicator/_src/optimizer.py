@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from keras_replicator._src import validation
+
 COMPRESSIONS = {None: None, "bf16": tf.bfloat16, "fp16": tf.float16}
 # Gradients are packed into all-reduces of about this size: large enough that
 # per-collective overhead vanishes, small enough that later packs can start
@@ -398,15 +400,7 @@ def _validate(optimizer, accumulation_steps, compression) -> None:
             "`optimizer` is already wrapped; wrap the inner optimizer once. "
             f"Received: optimizer={optimizer!r}"
         )
-    if (
-        isinstance(accumulation_steps, bool)
-        or not isinstance(accumulation_steps, int)
-        or accumulation_steps < 1
-    ):
-        raise ValueError(
-            "`accumulation_steps` must be a positive integer. Received: "
-            f"accumulation_steps={accumulation_steps!r}"
-        )
+    validation.check_positive_int("accumulation_steps", accumulation_steps)
     if compression not in COMPRESSIONS:
         raise ValueError(
             f"`compression` must be one of {tuple(COMPRESSIONS)}. Received: "

@@ -15,6 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_replicator._src import validation
 from keras_replicator._src.types import TensorTree
 
 REDUCTIONS = ("mean", "sum", None)
@@ -157,15 +158,7 @@ def _validate(step_fn, input_fn, reduce, steps_per_call) -> None:
         raise ValueError(
             f"`reduce` must be one of {REDUCTIONS}. Received: reduce={reduce!r}"
         )
-    if (
-        isinstance(steps_per_call, bool)
-        or not isinstance(steps_per_call, int)
-        or steps_per_call < 1
-    ):
-        raise ValueError(
-            "`steps_per_call` must be a positive integer. Received: "
-            f"steps_per_call={steps_per_call!r}"
-        )
+    validation.check_positive_int("steps_per_call", steps_per_call)
 
 
 def _checked_input_fn(input_fn: InputFn) -> InputFn:

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from keras_replicator._src import exact_eval
 from keras_replicator._src import shard_sources
+from keras_replicator._src import validation
 
 _MODES = ("train", "eval")
 DEFAULT_SHUFFLE_BUFFER_SIZE = 10_000
@@ -390,11 +391,7 @@ def _check_fully_defined(spec: Any) -> None:
             )
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}"
-        )
+_check_positive_int = validation.check_positive_int
 
 
 def _check_divisible(global_batch_size: int, replicas: int) -> None:

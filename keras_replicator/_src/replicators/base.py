@@ -13,6 +13,7 @@ import threading
 import tensorflow as tf
 
 from keras_replicator._src import nested_collectives
+from keras_replicator._src import validation
 
 # Group keys of collective ops are process-global in TensorFlow's runtime, but
 # each tf.distribute strategy numbers its groups from 1. Two strategies in one
@@ -214,11 +215,7 @@ class ReplicatorMixin:
         )
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}"
-        )
+_check_positive_int = validation.check_positive_int
 
 
 def in_replica_context() -> bool:

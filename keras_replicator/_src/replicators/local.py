@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from keras_replicator._src import devices as devices_lib
+from keras_replicator._src import validation
 from keras_replicator._src.replicators import base
 
 
@@ -68,15 +69,7 @@ def _resolve_devices(
     num_replicas: int | None, devices: Sequence[str] | None
 ) -> list[str]:
     """Validates the arguments and returns one device name per replica."""
-    if num_replicas is not None and (
-        isinstance(num_replicas, bool)
-        or not isinstance(num_replicas, int)
-        or num_replicas < 1
-    ):
-        raise ValueError(
-            "`num_replicas` must be a positive integer or None. "
-            f"Received: num_replicas={num_replicas!r}"
-        )
+    validation.check_positive_int("num_replicas", num_replicas, allow_none=True)
     if devices is not None:
         if isinstance(devices, str) or not len(devices):
             raise ValueError(

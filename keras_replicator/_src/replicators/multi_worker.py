@@ -12,6 +12,7 @@ from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import devices as devices_lib
 from keras_replicator._src import keras_compat
 from keras_replicator._src import startup_watchdog
+from keras_replicator._src import validation
 from keras_replicator._src.callbacks import chief_only
 from keras_replicator._src.replicators import base
 
@@ -68,15 +69,9 @@ class MultiWorkerReplicator(
         replicas_per_worker: int | None = None,
         timeout_seconds: float | None = 60,
     ):
-        if replicas_per_worker is not None and (
-            isinstance(replicas_per_worker, bool)
-            or not isinstance(replicas_per_worker, int)
-            or replicas_per_worker < 1
-        ):
-            raise ValueError(
-                "`replicas_per_worker` must be a positive integer or None. "
-                f"Received: replicas_per_worker={replicas_per_worker!r}"
-            )
+        validation.check_positive_int(
+            "replicas_per_worker", replicas_per_worker, allow_none=True
+        )
         if timeout_seconds is not None and (
             isinstance(timeout_seconds, bool)
             or not isinstance(timeout_seconds, (int, float))
