@@ -141,6 +141,7 @@ def plot(series, path):
             alpha=0.5,
             label=f"{label}: ideal",
         )
+    ax.set_xticks(sorted({k for points in series.values() for k in points}))
     ax.set_xlabel("replicas (local) / workers")
     ax.set_ylabel("examples / sec")
     ax.set_title(
