@@ -77,11 +77,18 @@ def bounded_startup(
     if timeout_seconds is None:
         yield
         return
-    spec = json.dumps([os.getpid(), timeout_seconds, dict(cluster), me])
-    # The child imports only this module (no TensorFlow): it starts in
-    # milliseconds and needs nothing from the stuck parent.
+    # An absolute deadline, fixed here: the child's own start-up time must
+    # not stretch the bound.
+    deadline = time.time() + timeout_seconds
+    spec = json.dumps(
+        [os.getpid(), deadline, timeout_seconds, dict(cluster), me]
+    )
+    # Run this file as a script, not `import keras_replicator...`: importing
+    # the package would import TensorFlow into the child, which costs
+    # seconds of CPU on every worker start. The file needs only the stdlib.
     watchdog = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, spec],
+        # -I: keep this file's folder (with our types.py) off sys.path.
+        [sys.executable, "-I", os.path.abspath(__file__), spec],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         start_new_session=True,
@@ -93,20 +100,17 @@ def bounded_startup(
         watchdog.wait()
 
 
-_CHILD = (
-    "import sys; from keras_replicator._src import startup_watchdog as w; "
-    "w._watch(sys.argv[1])"
-)
-
-
 def _watch(spec: str) -> None:
     """The child: waits, then probes, reports and kills the parent."""
-    parent, timeout_seconds, cluster, me = json.loads(spec)
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    parent, deadline, timeout_seconds, cluster, me = json.loads(spec)
+    while time.time() < deadline:
+        time.sleep(min(0.5, max(0.0, deadline - time.time())))
         if os.getppid() != parent:  # The parent is gone: nothing to do.
             return
     lost = unreachable(cluster, me)
     print(message(lost, timeout_seconds, me), file=sys.stderr, flush=True)
     os.kill(parent, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    _watch(sys.argv[1])
