@@ -164,3 +164,28 @@ def test_unknown_steps_without_warmup_steps_raises():
             verbose=0,
             callbacks=[kr.callbacks.LinearWarmup()],
         )
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises at a given batch, as a Ctrl-C in a notebook would."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise KeyboardInterrupt
+
+
+def test_interrupted_warmup_does_not_leak_into_next_fit():
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        _fit(
+            model,
+            [kr.callbacks.LinearWarmup(warmup_steps=8, scale=2), _Interrupt()],
+        )
+    # Keras skipped on_train_end: the optimizer holds a warm-up rate.
+    assert float(model.optimizer.learning_rate.numpy()) < TARGET
+    # A NEW callback still warms up to the original target, not to it.
+    probe = _LrProbe()
+    _fit(model, [kr.callbacks.LinearWarmup(warmup_steps=8, scale=2), probe])
+    np.testing.assert_allclose(probe.rates[0], TARGET / 2, rtol=1e-6)
+    np.testing.assert_allclose(probe.rates[8], TARGET, rtol=1e-6)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(TARGET)

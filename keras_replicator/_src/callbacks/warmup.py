@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import keras
 
+# Set on the optimizer while a warm-up is unfinished; see on_train_begin.
+_TARGET_ATTR = "_keras_replicator_warmup_target"
+
 
 class LinearWarmup(keras.callbacks.Callback):
     """Linear learning-rate warm-up to the scaled rate (Goyal et al. 2017).
@@ -118,9 +121,15 @@ class LinearWarmup(keras.callbacks.Callback):
                 "not a schedule. Received: learning_rate="
                 f"{optimizer._learning_rate!r}"
             )
-        self._target = float(
-            keras.ops.convert_to_numpy(optimizer.learning_rate)
-        )
+        # Keras skips on_train_end when fit raises or is interrupted (Ctrl-C
+        # in a notebook), which would leave a warm-up rate in the optimizer
+        # for the next fit to mistake for the target. So the target lives on
+        # the optimizer until a warm-up ends cleanly.
+        target = getattr(optimizer, _TARGET_ATTR, None)
+        if target is None:
+            target = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+            setattr(optimizer, _TARGET_ATTR, target)
+        self._target = target
         self._scale = float(
             self.scale or self.model.distribute_strategy.num_replicas_in_sync
         )
@@ -144,6 +153,8 @@ class LinearWarmup(keras.callbacks.Callback):
         """Restores the target rate."""
         if self._target is not None:
             self.model.optimizer.learning_rate = self._target
+            if hasattr(self.model.optimizer, _TARGET_ATTR):
+                delattr(self.model.optimizer, _TARGET_ATTR)
 
     def on_epoch_begin(self, epoch, logs=None):
         """Finds the global step the epoch starts at."""
