@@ -35,7 +35,11 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
     `optimizer.apply_gradients(zip(grads, variables))` or
     `optimizer.apply(grads, variables)` in the replica function, as on one
     device. The gradients are averaged over every replica of every worker
-    once, then the inner optimizer applies them.
+    once, then the inner optimizer applies them. Use `tf.reduce_mean` or a
+    `keras.losses.*` function for that loss, not a `keras.losses.Loss`
+    object: inside a replica those already divide by the replica count, so
+    the update would be N times too small (or pass `reduction=None` to the
+    object and take the mean yourself).
 
     Under `model.fit`, Keras pre-scales its losses by `1 / num_replicas` and
     then calls `optimizer.scale_loss(loss)`; this wrapper's `scale_loss`
