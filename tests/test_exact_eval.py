@@ -5,6 +5,8 @@ import inspect
 
 import keras
 import numpy as np
+import pytest
+import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import compile_utils
 
@@ -34,10 +36,11 @@ def test_patched_keras_code_is_unchanged():
     assert "m.update_state(y_t, y_p)\n" in source
 
 
-def _padded_eval(strategy):
-    x = np.arange(12, dtype="float32").reshape(6, 2)
-    y = np.array([0, 1, 0, 1, 1, 0], dtype="int32")
-    weights = np.array([1, 1, 1, 1, 0, 0], dtype="float32")  # 2 padded
+X = np.arange(12, dtype="float32").reshape(6, 2)
+Y = np.array([0, 1, 0, 1, 1, 0], dtype="int32")
+
+
+def _model(strategy):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
@@ -46,35 +49,51 @@ def _padded_eval(strategy):
         model.compile(
             "sgd", "sparse_categorical_crossentropy", metrics=["accuracy"]
         )
-    return model.evaluate(
-        x, y, sample_weight=weights, batch_size=6, verbose=0
-    ), model
+    return model
 
 
-def test_install_is_scoped_to_replicators_and_reversible():
-    exact_eval.uninstall()
-    assert tf_trainer.TensorFlowTrainer.test_step is exact_eval._stock_test_step
-    stock, _ = _padded_eval(_DefaultScope())
+def _user_weighted_eval(strategy):
+    # The user's own zero weights: Keras counts these rows in `metrics=`.
+    weights = np.array([1, 1, 1, 1, 0, 0], dtype="float32")
+    return _model(strategy).evaluate(
+        X, Y, sample_weight=weights, batch_size=6, verbose=0
+    )
+
+
+def test_users_zero_weights_keep_stock_keras_semantics():
     exact_eval.install()
     try:
-        plain, _ = _padded_eval(_DefaultScope())
-        # A model outside any replicator keeps stock Keras behaviour.
-        np.testing.assert_allclose(plain, stock, rtol=1e-6)
-        exact, model = _padded_eval(kr.LocalReplicator(2))
-        # Under a replicator the two zero-weight rows count for nothing:
-        # accuracy over the 4 real rows equals a direct computation.
-        predictions = model.predict(
-            np.arange(12, dtype="float32").reshape(6, 2)[:4], verbose=0
+        # Same numbers under a replicator as on one device: only data the
+        # sharder padded takes the exact path.
+        np.testing.assert_allclose(
+            _user_weighted_eval(kr.LocalReplicator(2)),
+            _user_weighted_eval(tf.distribute.get_strategy()),
+            rtol=1e-6,
         )
-        expected = np.mean(np.argmax(predictions, -1) == [0, 1, 0, 1])
-        assert exact[1] == expected
     finally:
         exact_eval.uninstall()
+
+
+def test_sharder_padding_counts_for_nothing():
+    replicator = kr.LocalReplicator(2)
+    model = _model(replicator)
+    expected = np.mean(np.argmax(model.predict(X, verbose=0), -1) == Y)
+    examples = tf.data.Dataset.from_tensor_slices((X, Y))
+    # 6 examples, global batch 4, static shapes: the last batch is padded.
+    dist = replicator.distribute(examples, 4, mode="eval", static_shapes=True)
+    assert getattr(dist, exact_eval.PADDED_ATTR)
+    _, accuracy = model.evaluate(dist, verbose=0)
+    assert accuracy == pytest.approx(expected, abs=1e-6)
+    # The same through the user's own distribute_datasets_from_function.
+    input_fn = kr.data.shard(examples, 4, mode="eval", static_shapes=True)
+    own = replicator.distribute_datasets_from_function(input_fn)
+    _, accuracy = model.evaluate(own, steps=2, verbose=0)
+    assert accuracy == pytest.approx(expected, abs=1e-6)
+
+
+def test_install_and_uninstall_swap_keras_methods():
+    exact_eval.install()
+    assert tf_trainer.TensorFlowTrainer.test_step is exact_eval._exact_test_step
+    exact_eval.uninstall()
     assert tf_trainer.TensorFlowTrainer.test_step is exact_eval._stock_test_step
-
-
-class _DefaultScope:
-    def scope(self):
-        import contextlib
-
-        return contextlib.nullcontext()
+    assert tf_trainer.TensorFlowTrainer.evaluate is exact_eval._stock_evaluate

@@ -9,10 +9,13 @@ over in `evaluate`:
 * metrics passed as `metrics=` (not `weighted_metrics=`) never see the sample
   weights at all (`CompileMetrics.update_state`).
 
-For models built under a replicator, the test step installed here treats an
-example with sample weight 0 as absent: the loss is averaged over real
-examples only, and unweighted metrics get the 0/1 mask as their weight. With
-no zero weights the numbers equal stock Keras; other models are untouched.
+While a model under a replicator evaluates data the sharder padded (what
+`replicator.distribute(..., mode="eval")` returns, or a distributed dataset
+built from a `kr.data.shard(..., mode="eval")` input function), the test step
+installed here treats an example with sample weight 0 as absent: the loss is
+averaged over real examples only, and unweighted metrics get the 0/1 mask as
+their weight. Any other evaluation, including one with the user's own zero
+weights, runs Keras' stock step unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +28,35 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 
 _stock_test_step = tf_trainer.TensorFlowTrainer.test_step
+_stock_evaluate = tf_trainer.TensorFlowTrainer.evaluate
+# Set on a distributed dataset whose padding carries sample weight 0.
+PADDED_ATTR = "_keras_replicator_padded"
+# Set on a model while it evaluates padded data; read when the test
+# function is traced.
+_EXACT_ATTR = "_keras_replicator_exact_eval"
+
+
+def mark_padded(distributed):
+    """Marks a distributed dataset as padded by the sharder; returns it."""
+    setattr(distributed, PADDED_ATTR, True)
+    return distributed
+
+
+def _is_padded(x) -> bool:
+    if getattr(x, PADDED_ATTR, False):
+        return True
+    # A user's distribute_datasets_from_function(kr.data.shard(...)).
+    input_fn = getattr(x, "_dataset_fn", None)
+    return getattr(input_fn, "padded_eval", False)
+
+
+def _exact_evaluate(self, x=None, *args, **kwargs):
+    exact = _is_padded(x)
+    if getattr(self, _EXACT_ATTR, False) != exact:
+        setattr(self, _EXACT_ATTR, exact)
+        # The test step reads the flag when traced: trace it again.
+        self.test_function = None
+    return _stock_evaluate(self, x, *args, **kwargs)
 
 
 def _exact_test_step(self, data):
@@ -33,7 +65,8 @@ def _exact_test_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     compile_metrics = self._compile_metrics
     if (
-        not isinstance(self.distribute_strategy, base.ReplicatorMixin)
+        not getattr(self, _EXACT_ATTR, False)
+        or not isinstance(self.distribute_strategy, base.ReplicatorMixin)
         or sample_weight is None
         or tree.is_nested(sample_weight)
         or type(self).compute_metrics
@@ -103,8 +136,10 @@ def install() -> None:
     this mirrors (the stock `test_step` and `CompileMetrics.update_state`).
     """
     tf_trainer.TensorFlowTrainer.test_step = _exact_test_step
+    tf_trainer.TensorFlowTrainer.evaluate = _exact_evaluate
 
 
 def uninstall() -> None:
     """Restores Keras' stock test step (idempotent)."""
     tf_trainer.TensorFlowTrainer.test_step = _stock_test_step
+    tf_trainer.TensorFlowTrainer.evaluate = _stock_evaluate

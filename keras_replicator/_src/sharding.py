@@ -167,6 +167,8 @@ class ShardedInput:
         self.shuffle_seed = shuffle_seed
         self.static_shapes = static_shapes
         self.mode = mode
+        # Whether the last pipeline built pads its eval batches (weight 0).
+        self.padded_eval = False
         self._buffer = shuffle_buffer_size
         # Examples per pipeline, by pipeline count; counted once and shared
         # by every call (TPU pods build every host's pipeline in one process).
@@ -204,6 +206,7 @@ class ShardedInput:
         per_pipeline = per_replica * (replicas // pipelines)
         dataset = self._pipeline_source(ctx.input_pipeline_id, ctx)
         padded = self.mode == "eval" and (self.static_shapes or pipelines > 1)
+        self.padded_eval = padded
         _check_element_spec(dataset.element_spec, self.mode, padded)
         if self.static_shapes:
             _check_fully_defined(dataset.element_spec)
@@ -452,4 +455,7 @@ def distribute(
         # per-replica batches; Keras reads it as steps, expects too many and
         # warns "Your input ran out of data". Report steps instead.
         distributed._cardinality = input_fn.steps_per_epoch  # noqa: SLF001
+    if input_fn.padded_eval:
+        # Keras evaluate leaves this dataset's padding out; see exact_eval.
+        exact_eval.mark_padded(distributed)
     return distributed
