@@ -52,3 +52,43 @@ def summary(name, ratios):
         f"(min {min(ratios):.3f}, max {max(ratios):.3f}, "
         f"{len(ratios)} pairs)"
     )
+
+
+def synthetic_images(global_batch):
+    """512 random 32x32x3 images with labels, repeated, globally batched.
+
+    DATA sharding is set explicitly, so every worker keeps its share of each
+    global batch without TensorFlow's AUTO-policy warning.
+    """
+    import tensorflow as tf
+
+    images = tf.random.stateless_uniform((512, 32, 32, 3), seed=(1, 2))
+    labels = tf.random.stateless_uniform(
+        (512,), seed=(3, 4), maxval=10, dtype=tf.int32
+    )
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    return (
+        tf.data.Dataset.from_tensor_slices((images, labels))
+        .repeat()
+        .batch(global_batch, drop_remainder=True)
+        .with_options(options)
+    )
+
+
+def small_convnet():
+    """The conv net of the multi-worker benchmarks (seeded)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((32, 32, 3)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
+    )

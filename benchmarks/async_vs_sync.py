@@ -42,7 +42,6 @@ THREAD_ENV = {
 def train(mode, steps, warmup, result_path):
     """The chief (async) or a worker (sync): trains, writes its rate."""
     import keras
-    import tensorflow as tf
 
     import keras_replicator as kr
 
@@ -52,31 +51,9 @@ def train(mode, steps, warmup, result_path):
     else:
         strategy = kr.MultiWorkerReplicator(replicas_per_worker=1)
         global_batch = BATCH * strategy.num_workers
-    images = tf.random.stateless_uniform((512, 32, 32, 3), seed=(1, 2))
-    labels = tf.random.stateless_uniform(
-        (512,), seed=(3, 4), maxval=10, dtype=tf.int32
-    )
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((images, labels))
-        .repeat()
-        .batch(global_batch, drop_remainder=True)
-        .with_options(options)
-    )
+    dataset = _common.synthetic_images(global_batch)
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((32, 32, 3)),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
-                keras.layers.GlobalAveragePooling2D(),
-                keras.layers.Dense(10),
-            ]
-        )
+        model = _common.small_convnet()
         model.compile(
             keras.optimizers.SGD(0.01),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),

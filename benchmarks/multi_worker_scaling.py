@@ -68,31 +68,9 @@ def worker(mode, steps, warmup, result_path):
 
     workers = strategy.num_replicas_in_sync
     global_batch = PER_WORKER_BATCH * workers
-    images = tf.random.stateless_uniform((512, 32, 32, 3), seed=(1, 2))
-    labels = tf.random.stateless_uniform(
-        (512,), seed=(3, 4), maxval=10, dtype=tf.int32
-    )
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((images, labels))
-        .repeat()
-        .batch(global_batch, drop_remainder=True)
-        .with_options(options)
-    )
+    dataset = _common.synthetic_images(global_batch)
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((32, 32, 3)),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
-                keras.layers.GlobalAveragePooling2D(),
-                keras.layers.Dense(10),
-            ]
-        )
+        model = _common.small_convnet()
         optimizer = keras.optimizers.SGD(0.01)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction="sum_over_batch_size"
@@ -111,7 +89,9 @@ def worker(mode, steps, warmup, result_path):
         def train_step(it):
             def step(x, y):
                 with tf.GradientTape() as tape:
-                    loss = loss_fn(y, model(x, training=True)) / workers
+                    # The Keras loss object already scales by
+                    # 1/num_replicas_in_sync inside strategy.run.
+                    loss = loss_fn(y, model(x, training=True))
                 grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(
                     zip(grads, model.trainable_variables, strict=True)
