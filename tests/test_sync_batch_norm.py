@@ -201,3 +201,38 @@ def test_keras_still_calls_moments_in_batch_norm():
     # renames it must fail here rather than silently train with local BN.
     source = inspect.getsource(keras.layers.BatchNormalization.call)
     assert sync_batch_norm.KERAS_MOMENTS_CALL in source
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises after the first batch, as a Ctrl-C in a notebook would."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt
+
+
+def test_failed_fit_conversion_is_undone_by_the_next_sync_batch_norm():
+    replicator = kr.LocalReplicator(2)
+    with replicator.scope():
+        model = sync_bn_models.BUILDERS["functional"]()
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+    x, y = _data()
+    layers = sync_batch_norm.batch_norm_layers(model)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(
+            x,
+            y,
+            batch_size=GLOBAL_BATCH,
+            verbose=0,
+            callbacks=[kr.callbacks.SyncBatchNorm(), _Interrupt()],
+        )
+    # Keras skipped on_train_end: the layers are still converted.
+    assert all("_moments" in vars(layer) for layer in layers)
+    model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH,
+        verbose=0,
+        callbacks=[kr.callbacks.SyncBatchNorm()],
+    )
+    # The next SyncBatchNorm adopted and restored them: plain Keras again.
+    assert not any("_moments" in vars(layer) for layer in layers)

@@ -101,7 +101,11 @@ class SyncBatchNorm(keras.callbacks.Callback):
             if isinstance(layer, crbn.CrossReplicaBatchNormalization):
                 continue  # Already cross-replica.
             if "_moments" in vars(layer):
-                continue  # Converted by another SyncBatchNorm.
+                # Converted already: by another SyncBatchNorm in this fit, or
+                # by one whose fit raised (Keras then skips on_train_end).
+                # Adopt it, so this callback's on_train_end restores it.
+                self._converted.append(layer)
+                continue
             # object.__setattr__: an instance attribute Keras' attribute
             # tracking neither sees nor serializes.
             object.__setattr__(
@@ -118,7 +122,8 @@ class SyncBatchNorm(keras.callbacks.Callback):
         if not self._converted:
             return
         for layer in self._converted:
-            object.__delattr__(layer, "_moments")
+            if "_moments" in vars(layer):  # Two callbacks may share a layer.
+                object.__delattr__(layer, "_moments")
         self._converted = []
         # The traced function still holds the cross-replica moments.
         self.model.train_function = None
