@@ -12,6 +12,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_replicator._src import iterator_teardown
 from keras_replicator._src import nested_collectives
 from keras_replicator._src import per_replica_jit
 from keras_replicator._src import validation
@@ -33,9 +34,12 @@ def next_collective_key_base() -> int:
     # Every replicator calls this before it builds collectives: also make
     # collectives work inside `tf.cond`, which `model.fit` with
     # `steps_per_execution > 1` needs (see nested_collectives), and make
-    # `jit_compile=True` compile each replica's step (see per_replica_jit).
+    # `jit_compile=True` compile each replica's step (see per_replica_jit),
+    # and let distributed iterators be deleted without stalling (see
+    # iterator_teardown).
     nested_collectives.install()
     per_replica_jit.install()
+    iterator_teardown.install()
     with _key_lock:
         return next(_key_blocks) * _KEY_BLOCK
 

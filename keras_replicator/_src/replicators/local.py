@@ -7,11 +7,16 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from keras_replicator._src import devices as devices_lib
+from keras_replicator._src import iterator_teardown
 from keras_replicator._src import validation
 from keras_replicator._src.replicators import base
 
 
-class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
+class LocalReplicator(
+    base.ReplicatorMixin,
+    iterator_teardown.QuickTeardownMixin,
+    tf.distribute.MirroredStrategy,
+):
     """Replicates Keras and TensorFlow code over the devices of one host.
 
     The paper's `MultiGpuReplicator`: in-graph, synchronous data parallelism

@@ -10,6 +10,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
 from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import devices as devices_lib
+from keras_replicator._src import iterator_teardown
 from keras_replicator._src import keras_compat
 from keras_replicator._src import startup_watchdog
 from keras_replicator._src import validation
@@ -23,6 +24,7 @@ _CPU_REPLICAS_ENV = "KERAS_REPLICATOR_CPU_REPLICAS"
 class MultiWorkerReplicator(
     base.ReplicatorMixin,
     keras_compat.KerasCompatMixin,
+    iterator_teardown.QuickTeardownMixin,
     tf.distribute.MultiWorkerMirroredStrategy,
 ):
     """Replicates Keras and TensorFlow code over worker processes.

@@ -1,0 +1,168 @@
+"""Deleting a distributed iterator without stalling: no tf.data autotune thread.
+
+The symptom: under `MultiWorkerReplicator`, `model.fit` returned 3-60 s after
+its last step in about half the runs, and the other workers waited that long
+in their next collective. A plain `tf.distribute.MultiWorkerMirroredStrategy`
+custom loop stalls the same way when it deletes its iterator. It takes an
+iterator that has run for about ten seconds: the stalls ended 10.24, 20.48 or
+40.96 s after the iterator began.
+
+The cause is a lost wake-up in TensorFlow 2.21, in any autotuned tf.data
+iterator. A `RootDataset` iterator with autotuning runs `Model::OptimizeLoop`
+on a thread that sleeps between optimisations, and the sleep doubles from
+10 ms (hence the 10 ms x 2^k). Deleting the iterator calls `StartCancel()`
+and then joins that thread. `StartCancel` runs the cancellation callbacks,
+and one of them wakes the loop, BEFORE it marks the manager cancelled
+(`tsl::CancellationManager::StartCancelWithStatus`). The woken loop
+re-checks `IsCancelled()`, still sees false, and sleeps out the rest of its
+period. A distributed iterator has one autotuned root for the host pipeline
+and one per device (`MultiDeviceIterator`'s per-device prefetch). Seen in
+gdb:
+`RootDataset::Iterator::~Iterator` -> `~LogicalThreadWrapper`, while
+`Model::OptimizeLoop` waits on its condition variable. Keras deletes its
+iterator at the end of every `fit`, `evaluate` and `predict`, and at every
+epoch whose dataset is exhausted. The race is likelier on busy cores, where
+the woken thread runs before the deleting thread sets the flag.
+
+What we do, for the datasets our in-graph replicators (`LocalReplicator`,
+`MultiWorkerReplicator`) distribute:
+
+- The host pipeline runs with `tf.data.Options().autotune.enabled = False`
+  unless the user set `autotune.enabled` on it. Without the autotune model,
+  `num_parallel_calls=AUTOTUNE` runs at tf.data's default parallelism (at
+  most the number of cores), and `prefetch(AUTOTUNE)` buffers still grow
+  when the consumer waits (tf.data's legacy prefetch autotuner). A user who
+  wants tf.data's model back sets `autotune.enabled = True` on the dataset
+  and accepts the stall; we never override an explicit choice.
+- The per-device stage inside `MultiDeviceIterator` (a generator and a
+  `prefetch(1)`; nothing there to tune) follows the host: when the host
+  pipeline's autotuning is off, so is the per-device stage's. This is a
+  patch of TensorFlow's `multi_device_iterator_ops`, scoped by the dataset's
+  own options (only pipelines with `autotune.enabled=False`), reversible,
+  and pinned by `TF_SOURCE_LINES` (`tests/test_iterator_teardown.py` fails
+  when a TensorFlow upgrade changes them).
+
+Measured (benchmarks/RESULTS.md, session 3): deleting an iterator after 100
+steps took 0.16-0.22 s in 6/6 deletions, against 7-40 s in about half of
+them before.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import tensorflow as tf
+from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+
+# Lines of tensorflow/python/data/ops/multi_device_iterator_ops.py this
+# relies on: OwnedMultiDeviceIterator builds each device's stage through the
+# module-level `_create_device_dataset`, inside its `__init__`.
+TF_SOURCE_LINES = (
+    "def _create_device_dataset(prototype_ds, incarnation_id, "
+    "prefetch_buffer_size,",
+    "ds = _create_device_dataset(prototype_device_datasets[i],",
+)
+
+_stock_create_device_dataset = mdi._create_device_dataset
+_stock_owned_init = mdi.OwnedMultiDeviceIterator.__init__
+_lock = threading.Lock()
+_building = threading.local()
+
+
+def _no_autotune() -> tf.data.Options:
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return options
+
+
+def without_autotune_thread(dataset):
+    """`dataset` without tf.data's autotune thread, unless the user chose.
+
+    Args:
+        dataset: A `tf.data.Dataset`; anything else is returned unchanged.
+
+    Returns:
+        `dataset` with `autotune.enabled=False`, or `dataset` itself when
+        its `autotune.enabled` was set explicitly (either way).
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        return dataset
+    if dataset.options().autotune.enabled is not None:
+        return dataset
+    return dataset.with_options(_no_autotune())
+
+
+def without_autotune_thread_fn(dataset_fn):
+    """Wraps a `distribute_datasets_from_function` input function likewise.
+
+    The wrapper forwards attribute reads to `dataset_fn`: the sharder's input
+    functions carry attributes (`padded_eval`) that evaluation reads back.
+    """
+    return _QuietInputFn(dataset_fn)
+
+
+class _QuietInputFn:
+    def __init__(self, dataset_fn):
+        self._dataset_fn = dataset_fn
+        functools.update_wrapper(self, dataset_fn, updated=())
+
+    def __call__(self, input_context):
+        return without_autotune_thread(self._dataset_fn(input_context))
+
+    def __getattr__(self, name):
+        # Only called for attributes this wrapper lacks.
+        return getattr(self._dataset_fn, name)
+
+
+class QuickTeardownMixin:
+    """Distributes datasets so that deleting their iterators cannot stall.
+
+    Put it before the `tf.distribute.Strategy` in a replicator's bases.
+    """
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        return super().experimental_distribute_dataset(
+            without_autotune_thread(dataset), options
+        )
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        return super().distribute_datasets_from_function(
+            without_autotune_thread_fn(dataset_fn), options
+        )
+
+
+def _owned_init(self, dataset=None, *args, **kwargs):
+    quiet = dataset is not None and dataset.options().autotune.enabled is False
+    previous = getattr(_building, "quiet", False)
+    _building.quiet = quiet
+    try:
+        _stock_owned_init(self, dataset, *args, **kwargs)
+    finally:
+        _building.quiet = previous
+
+
+def _create_device_dataset(*args, **kwargs):
+    ds = _stock_create_device_dataset(*args, **kwargs)
+    if getattr(_building, "quiet", False):
+        ds = ds.with_options(_no_autotune())
+    return ds
+
+
+def install() -> None:
+    """Per-device stages follow their host pipeline's autotune=False."""
+    with _lock:
+        mdi._create_device_dataset = _create_device_dataset
+        mdi.OwnedMultiDeviceIterator.__init__ = _owned_init
+
+
+def uninstall() -> None:
+    """Restores TensorFlow's stock functions (idempotent)."""
+    with _lock:
+        mdi._create_device_dataset = _stock_create_device_dataset
+        mdi.OwnedMultiDeviceIterator.__init__ = _stock_owned_init
+
+
+def installed() -> bool:
+    """Whether `install` is in effect."""
+    return mdi._create_device_dataset is _create_device_dataset

@@ -1,0 +1,108 @@
+"""Our replicators' distributed iterators run without tf.data autotuning.
+
+The stall this prevents (deleting an iterator waits out the autotune thread's
+sleep, up to tens of seconds) is a race, so it is not asserted here: these
+tests pin the mechanism. benchmarks/multi_worker_scaling.py measures it.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
+
+import keras_replicator as kr
+from keras_replicator._src import iterator_teardown
+
+
+def _dataset():
+    return tf.data.Dataset.from_tensor_slices(
+        np.arange(32, dtype=np.float32)
+    ).batch(8)
+
+
+def _device_stages_autotune(iterator):
+    """`autotune.enabled` of each per-device stage of a distributed iterator.
+
+    None is TensorFlow's default, which autotunes.
+    """
+    (worker,) = iterator._iterators  # one input worker in-process
+    return [
+        it._dataset.options().autotune.enabled
+        for it in worker._iterator._device_iterators
+    ]
+
+
+def test_tensorflow_still_builds_device_stages_where_we_patch():
+    # If this fails, TensorFlow changed how MultiDeviceIterator builds its
+    # per-device datasets: re-check iterator_teardown against the new code.
+    source = inspect.getsource(mdi)
+    for line in iterator_teardown.TF_SOURCE_LINES:
+        assert line in source, line
+
+
+def test_without_autotune_thread_respects_an_explicit_choice():
+    quiet = iterator_teardown.without_autotune_thread(_dataset())
+    assert quiet.options().autotune.enabled is False
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    chosen = _dataset().with_options(options)
+    assert iterator_teardown.without_autotune_thread(chosen) is chosen
+    assert iterator_teardown.without_autotune_thread([1, 2]) == [1, 2]
+
+
+@pytest.mark.parametrize("how", ["dataset", "function"])
+def test_local_replicator_iterators_do_not_autotune(how):
+    replicator = kr.LocalReplicator(2)
+    if how == "dataset":
+        dist = replicator.experimental_distribute_dataset(_dataset())
+    else:
+        dist = replicator.distribute_datasets_from_function(
+            lambda ctx: _dataset().unbatch().batch(4)
+        )
+    iterator = iter(dist)
+    devices = _device_stages_autotune(iterator)
+    assert devices == [False, False]
+    # Same batches as without the change: replica 0 gets the first half.
+    first = replicator.experimental_local_results(next(iterator))
+    np.testing.assert_array_equal(first[0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(first[1], [4, 5, 6, 7])
+
+
+def test_an_explicit_autotune_choice_keeps_tf_data_autotuning():
+    replicator = kr.LocalReplicator(2)
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    iterator = iter(
+        replicator.experimental_distribute_dataset(
+            _dataset().with_options(options)
+        )
+    )
+    devices = _device_stages_autotune(iterator)
+    assert devices == [None, None]
+
+
+def test_plain_tf_distribute_is_untouched():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    kr.LocalReplicator(2)  # installs the patch
+    assert iterator_teardown.installed()
+    iterator = iter(strategy.experimental_distribute_dataset(_dataset()))
+    devices = _device_stages_autotune(iterator)
+    assert devices == [None, None]
+
+
+def test_install_is_reversible():
+    kr.LocalReplicator(2)
+    assert iterator_teardown.installed()
+    iterator_teardown.uninstall()
+    try:
+        assert mdi._create_device_dataset is (
+            iterator_teardown._stock_create_device_dataset
+        )
+        assert mdi.OwnedMultiDeviceIterator.__init__ is (
+            iterator_teardown._stock_owned_init
+        )
+    finally:
+        iterator_teardown.install()
+    assert iterator_teardown.installed()
