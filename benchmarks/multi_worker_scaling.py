@@ -3,13 +3,16 @@
 Each worker is one process with one CPU replica, limited to one thread (set
 through the environment before TensorFlow starts), and takes a fixed batch
 of 64 examples per step (weak scaling: the global batch is 64 x workers).
-Three modes:
-  - `fit`:  `model.fit` under `kr.MultiWorkerReplicator`;
+Four modes:
+  - `fit`:  `model.fit` under `kr.MultiWorkerReplicator` (Keras' default
+    `steps_per_execution=1`);
+  - `fit_spe`: the same with `steps_per_execution=10` (fewer Python round
+    trips per step; the same all-reduces);
   - `loop`: a plain `tf.distribute.MultiWorkerMirroredStrategy` custom loop;
   - `solo`: the same step with no strategy and no communication, each
-    process training on its own. Its 2-vs-1 ratio is the ceiling the
-    machine allows at that moment: with other jobs on the cores, two busy
-    processes do not get twice the CPU of one.
+    process training on its own, their clocks started together (a file
+    barrier). Its 2-vs-1 ratio is the ceiling the machine allows at that
+    moment: two busy processes do not get twice the CPU of one.
 Each pair runs every mode with 1 and 2 workers back to back (the order
 alternates between pairs), so the modes see the same load; it measures
 examples/sec over the timed steps (until results are fetched) and prints
@@ -21,15 +24,11 @@ and `small`, a tiny conv net of about 9 ms a step, where the latency of a
 loopback all-reduce (about 2 ms, two per step) caps any synchronous method.
 
 `fit` gets two rows: the whole call, and its steps (from the call to the
-end of its last step, so set-up is in and teardown is out). At the end of
-every `fit` Keras deletes its distributed iterator, and under
-MultiWorkerMirroredStrategy that deletion stalled for seconds here (3-9 s,
-growing with the iterator's age, in about half the runs; the other workers
-wait for it in their next collective). The stack is in TensorFlow: the
-`MultiDeviceIterator`'s host iterator waiting for its tf.data autotuning
-thread (`RootDataset::Iterator::~Iterator`). A custom loop that deletes
-its own iterator after as many steps did not stall, so it is something
-about how Keras drives the iterator; not found yet.
+end of its last step, so set-up is in and teardown is out). The two differed
+by seconds until session 3: deleting the distributed iterator at the end of
+`fit` stalled on a lost wake-up of tf.data's autotune thread (see
+`keras_replicator/_src/iterator_teardown.py`); the rows now show what
+remains between them.
 
     python benchmarks/multi_worker_scaling.py [--pairs 5] [--model cifar]
 """
@@ -47,12 +46,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 PER_WORKER_BATCH = 64
-_MODES = ("fit", "loop", "solo")
+_MODES = ("fit", "fit_spe", "loop", "solo")
 # Rows of the report; a `fit` run gives two (see worker()).
-_ROWS = ("fit", "fit_steps", "loop", "solo")
+_ROWS = ("fit", "fit_steps", "fit_spe", "loop", "solo")
+# Keras' `steps_per_execution` for the `fit_spe` mode.
+SPE = 10
 _NAMES = {
     "fit": "model.fit + MultiWorkerReplicator, whole call",
     "fit_steps": "model.fit + MultiWorkerReplicator, its steps",
+    "fit_spe": f"model.fit(steps_per_execution={SPE}), whole call",
     "loop": "plain MWMS custom loop",
     "solo": "no communication (ceiling)",
 }
@@ -64,13 +66,13 @@ THREAD_ENV = {
 }
 
 
-def worker(mode, model_name, steps, warmup, result_path):
+def worker(mode, model_name, steps, warmup, result_path, workers):
     """One worker process: trains and writes its examples/sec."""
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    if mode == "fit":
+    if mode in ("fit", "fit_spe"):
         import keras_replicator as kr
 
         strategy = kr.MultiWorkerReplicator(replicas_per_worker=1)
@@ -91,7 +93,13 @@ def worker(mode, model_name, steps, warmup, result_path):
             from_logits=True, reduction="sum_over_batch_size"
         )
     rates = {}
-    if mode == "fit":
+    if mode == "fit_spe":
+        model.compile(optimizer, loss_fn, steps_per_execution=SPE)
+        model.fit(dataset, steps_per_epoch=warmup, verbose=0)
+        start = time.perf_counter()
+        model.fit(dataset, steps_per_epoch=steps, verbose=0)
+        seconds = time.perf_counter() - start
+    elif mode == "fit":
         model.compile(optimizer, loss_fn)
         model.fit(dataset, steps_per_epoch=warmup, verbose=0)
         clock = _step_clock()
@@ -127,6 +135,11 @@ def worker(mode, model_name, steps, warmup, result_path):
         for _ in range(warmup):
             train_step(iterator)
         float(train_step(iterator))
+        if mode == "solo":
+            # Independent processes would start their clocks apart (one
+            # imports TensorFlow faster) and overlap less than the
+            # synchronous modes do, overstating the ceiling: start together.
+            _barrier(os.path.dirname(result_path), workers)
         start = time.perf_counter()
         for _ in range(steps):
             loss = train_step(iterator)
@@ -135,6 +148,16 @@ def worker(mode, model_name, steps, warmup, result_path):
     rates[mode] = steps * global_batch / seconds
     with open(result_path, "w") as f:
         json.dump(rates, f)
+
+
+def _barrier(directory, workers, timeout=120):
+    """Waits until `workers` processes have reached it (files in directory)."""
+    open(os.path.join(directory, f"ready-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while sum(n.startswith("ready-") for n in os.listdir(directory)) < workers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier: fewer than {workers} workers came")
+        time.sleep(0.001)
 
 
 def _step_clock():
@@ -188,6 +211,8 @@ def run_cluster(mode, model_name, workers, steps, warmup):
                         str(warmup),
                         "--result",
                         os.path.join(tmp, f"{i}.json"),
+                        "--workers",
+                        str(workers),
                     ],
                     env=env,
                     stdout=subprocess.DEVNULL,
@@ -221,11 +246,19 @@ def main():
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--worker", choices=_MODES)
     parser.add_argument("--result")
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 100 if args.model == "cifar" else 300
     if args.worker:
-        worker(args.worker, args.model, args.steps, args.warmup, args.result)
+        worker(
+            args.worker,
+            args.model,
+            args.steps,
+            args.warmup,
+            args.result,
+            args.workers,
+        )
         return
     print(_common.machine())
     print(
