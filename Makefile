@@ -24,8 +24,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check keras_replicator tests examples benchmarks
 
+# In-process tests run in TEST_JOBS pytest-xdist processes (a file's tests
+# stay together); multi-worker tests start their own processes, one at a time.
+TEST_JOBS ?= 2
+
 test: $(STAMP) lint
-	$(BIN)/pytest -q --timeout=600 -m "not multi_worker"
+	$(BIN)/pytest -q --timeout=600 -m "not multi_worker" -n $(TEST_JOBS) --dist loadfile
 	# Exit code 5 means no multi-worker test was collected.
 	$(BIN)/pytest -q --timeout=600 -m multi_worker || test $$? -eq 5
 
