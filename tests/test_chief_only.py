@@ -62,32 +62,3 @@ def test_install_is_reversible():
     assert callback_list.CallbackList.__init__ is keras_init
     if was:
         chief_only.install()
-
-
-def test_a_retry_after_a_raising_call_restores_paths_first(tmp_path):
-    # A fit that raised never ran on_train_end: its paths stay moved until
-    # the next call with the same callbacks, which must not take the
-    # temporary path for the user's.
-    csv = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
-    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
-    first = chief_only.redirect([csv, backup], worker_index=1)
-    first_tmp = os.path.dirname(os.path.dirname(csv.filename))
-    # Only our internal callbacks: the user's need a model.
-    for callback in first[2:]:
-        callback.on_train_begin()
-    assert not backup.backup_dir.startswith(str(tmp_path))
-    # ... the call raises here; the user retries with the same callbacks.
-    second = chief_only.redirect([csv, backup], worker_index=1)
-    assert not os.path.exists(first_tmp)
-    for callback in second[2:]:
-        callback.on_train_begin()
-    for callback in second[2:]:
-        callback.on_train_end()
-    assert csv.filename == str(tmp_path / "log.csv")
-    assert backup.backup_dir == str(tmp_path / "backup")
-    # A call with other callbacks leaves a running call's paths alone.
-    running = chief_only.redirect([csv], worker_index=1)
-    chief_only.redirect([keras.callbacks.CSVLogger(str(tmp_path / "o"))], 1)
-    assert csv.filename != str(tmp_path / "log.csv")
-    running[-1].on_predict_end()
-    assert csv.filename == str(tmp_path / "log.csv")

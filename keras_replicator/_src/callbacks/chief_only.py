@@ -19,11 +19,7 @@ process is not the chief; then it
   the chief wrote, then writes to the temporary one);
 - drops the progress bar;
 - at the end of fit/evaluate/predict (or at exit, after a crash) restores
-  the callbacks' paths and deletes the temporary directory. A call that
-  raised never reaches its end hooks; the next call that gets the same
-  callback objects (a retry after catching the error) first restores their
-  paths and deletes that call's directory, so they never keep a temporary
-  path.
+  the callbacks' paths and deletes the temporary directory.
 
 `tests/test_chief_only.py` checks the Keras signature and attributes this
 relies on, so a Keras upgrade that changes them fails loudly.
@@ -60,8 +56,6 @@ BACKUP_ATTRIBUTES = (
 
 _lock = threading.Lock()
 _original_init = None
-# Cleanups whose call has not ended (it is running, or it raised).
-_unfinished: list[_Cleanup] = []
 
 
 def install() -> None:
@@ -133,10 +127,6 @@ def redirect(callbacks, worker_index: int) -> list:
     """
     flat = keras.tree.flatten(callbacks) if callbacks else []
     flat = [c for c in flat if not isinstance(c, keras.callbacks.ProgbarLogger)]
-    # An earlier call that raised left these callbacks redirected.
-    for earlier in list(_unfinished):
-        if earlier.holds_any(flat):
-            earlier.finish()
     tmp = tempfile.mkdtemp(prefix=f"keras_replicator_worker{worker_index}_")
     cleanup = _Cleanup(tmp)
     out = []
@@ -173,45 +163,33 @@ class _Cleanup(keras.callbacks.Callback):
         # After a crash no *_end hook runs; still delete at exit.
         self._at_exit = functools.partial(shutil.rmtree, tmp, True)
         atexit.register(self._at_exit)
-        _unfinished.append(self)
 
     def move(self, callback, name: str, value: str) -> None:
         """Sets `callback.<name>` to `value` until the end."""
         self._moved.append((callback, name, getattr(callback, name)))
         setattr(callback, name, value)
 
-    def holds_any(self, callbacks) -> bool:
-        """Whether this moved a path of any of `callbacks`."""
-        return any(
-            moved is callback
-            for moved, _, _ in self._moved
-            for callback in callbacks
-        )
-
-    def finish(self):
-        """Restores the moved paths and deletes the directory (idempotent)."""
+    def _finish(self):
         for callback, name, value in reversed(self._moved):
             setattr(callback, name, value)
         self._moved = []
         shutil.rmtree(self._tmp, ignore_errors=True)
         atexit.unregister(self._at_exit)
-        if self in _unfinished:
-            _unfinished.remove(self)
 
     def on_train_begin(self, logs=None):
         self._training = True
 
     def on_train_end(self, logs=None):
         self._training = False
-        self.finish()
+        self._finish()
 
     def on_test_end(self, logs=None):
         # fit() runs validation through the same callbacks: not the end yet.
         if not self._training:
-            self.finish()
+            self._finish()
 
     def on_predict_end(self, logs=None):
-        self.finish()
+        self._finish()
 
 
 class _RetargetBackup(keras.callbacks.Callback):
