@@ -66,7 +66,7 @@ THREAD_ENV = {
 }
 
 
-def worker(mode, model_name, steps, warmup, result_path, workers):
+def worker(mode, model_name, steps, warmup, result_path, cluster_size):
     """One worker process: trains and writes its examples/sec."""
     import tensorflow as tf
 
@@ -139,7 +139,7 @@ def worker(mode, model_name, steps, warmup, result_path, workers):
             # Independent processes would start their clocks apart (one
             # imports TensorFlow faster) and overlap less than the
             # synchronous modes do, overstating the ceiling: start together.
-            _barrier(os.path.dirname(result_path), workers)
+            _barrier(os.path.dirname(result_path), cluster_size)
         start = time.perf_counter()
         for _ in range(steps):
             loss = train_step(iterator)

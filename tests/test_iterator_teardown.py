@@ -5,6 +5,7 @@ sleep, up to tens of seconds) is a race, so it is not asserted here: these
 tests pin the mechanism. benchmarks/multi_worker_scaling.py measures it.
 """
 
+import copy
 import inspect
 
 import numpy as np
@@ -50,6 +51,23 @@ def test_without_autotune_thread_respects_an_explicit_choice():
     chosen = _dataset().with_options(options)
     assert iterator_teardown.without_autotune_thread(chosen) is chosen
     assert iterator_teardown.without_autotune_thread([1, 2]) == [1, 2]
+    # A budget is a choice to tune too.
+    budget = tf.data.Options()
+    budget.autotune.ram_budget = 1 << 30
+    tuned = _dataset().with_options(budget)
+    assert iterator_teardown.without_autotune_thread(tuned) is tuned
+
+
+def test_the_input_fn_wrapper_forwards_attributes_and_copies():
+    def input_fn(ctx):
+        return _dataset()
+
+    input_fn.padded_eval = True
+    wrapped = iterator_teardown.without_autotune_thread_fn(input_fn)
+    assert wrapped.padded_eval is True
+    assert wrapped.__name__ == "input_fn"
+    copied = copy.copy(wrapped)
+    assert copied(None).options().autotune.enabled is False
 
 
 @pytest.mark.parametrize("how", ["dataset", "function"])

@@ -28,9 +28,9 @@ What we do, for the datasets our in-graph replicators (`LocalReplicator`,
 `MultiWorkerReplicator`) distribute:
 
 - The host pipeline runs with `tf.data.Options().autotune.enabled = False`
-  unless the user set `autotune.enabled` on it. Without the autotune model,
-  `num_parallel_calls=AUTOTUNE` runs at tf.data's default parallelism (at
-  most the number of cores), and `prefetch(AUTOTUNE)` buffers still grow
+  unless the user set any of its `autotune` options. Without the autotune
+  model, `num_parallel_calls=AUTOTUNE` runs at tf.data's default parallelism
+  (at most the number of cores), and `prefetch(AUTOTUNE)` buffers still grow
   when the consumer waits (tf.data's legacy prefetch autotuner). A user who
   wants tf.data's model back sets `autotune.enabled = True` on the dataset
   and accepts the stall; we never override an explicit choice.
@@ -68,6 +68,13 @@ _stock_create_device_dataset = mdi._create_device_dataset
 _stock_owned_init = mdi.OwnedMultiDeviceIterator.__init__
 _lock = threading.Lock()
 _building = threading.local()
+# The `tf.data.Options().autotune` fields whose setting is a user's choice.
+_AUTOTUNE_OPTIONS = (
+    "enabled",
+    "cpu_budget",
+    "ram_budget",
+    "autotune_algorithm",
+)
 
 
 def _no_autotune() -> tf.data.Options:
@@ -84,11 +91,13 @@ def without_autotune_thread(dataset):
 
     Returns:
         `dataset` with `autotune.enabled=False`, or `dataset` itself when
-        its `autotune.enabled` was set explicitly (either way).
+        the user set any of its autotune options (`enabled` either way, or
+        a budget or algorithm: a choice to tune).
     """
     if not isinstance(dataset, tf.data.Dataset):
         return dataset
-    if dataset.options().autotune.enabled is not None:
+    autotune = dataset.options().autotune
+    if any(getattr(autotune, name) is not None for name in _AUTOTUNE_OPTIONS):
         return dataset
     return dataset.with_options(_no_autotune())
 
@@ -111,7 +120,10 @@ class _QuietInputFn:
         return without_autotune_thread(self._dataset_fn(input_context))
 
     def __getattr__(self, name):
-        # Only called for attributes this wrapper lacks.
+        # Only called for attributes this wrapper lacks. Not for dunders or
+        # before __init__ ran (copy, pickle): that would recurse.
+        if name.startswith("__") or name == "_dataset_fn":
+            raise AttributeError(name)
         return getattr(self._dataset_fn, name)
 
 
@@ -132,6 +144,7 @@ class QuickTeardownMixin:
         )
 
 
+@functools.wraps(_stock_owned_init)
 def _owned_init(self, dataset=None, *args, **kwargs):
     quiet = dataset is not None and dataset.options().autotune.enabled is False
     previous = getattr(_building, "quiet", False)
