@@ -17,6 +17,11 @@ MAX_TEST_REPLICAS = 4
 
 
 def pytest_configure(config):
+    if getattr(config, "workerinput", None) is None and (
+        config.getoption("numprocesses", default=None)
+    ):
+        # The pytest-xdist controller runs no tests: no TensorFlow here.
+        return
     import keras_replicator as kr
 
     # Must run before any test module touches TensorFlow's devices.
