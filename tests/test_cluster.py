@@ -93,6 +93,10 @@ def test_replicator_without_cluster_says_how_to_get_one(monkeypatch):
     [
         ({"replicas_per_worker": 0}, "replicas_per_worker=0"),
         ({"timeout_seconds": -1}, "timeout_seconds=-1"),
+        (
+            {"collective_timeout_seconds": "60"},
+            "collective_timeout_seconds='60'",
+        ),
         ({"cluster": 3}, "cluster=3"),
     ],
 )

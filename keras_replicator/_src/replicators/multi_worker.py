@@ -6,7 +6,10 @@ import os
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+from tensorflow.python.distribute import multi_worker_util
+from tensorflow.python.eager import context
 
 from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import devices as devices_lib
@@ -53,9 +56,19 @@ class MultiWorkerReplicator(
         replicas_per_worker: Replicas per worker process. Defaults to all
             local GPUs, or with no GPU, to `KERAS_REPLICATOR_CPU_REPLICAS` if
             set, else 1. Every worker must use the same number.
-        timeout_seconds: Bound on how long a collective (one all-reduce of a
-            step) may wait for its peers, and so on how long the survivors
-            wait once a worker dies. Defaults to 60. `None` waits forever.
+        timeout_seconds: Bound on how long start-up may wait for the other
+            workers, and on how long the survivors take to learn that a
+            worker died (TensorFlow's coordination-service heartbeats, whose
+            timeout becomes `min(timeout_seconds, 10)`; 10 s is TensorFlow's
+            default). Defaults to 60. `None` waits forever at start-up and
+            keeps TensorFlow's heartbeats.
+        collective_timeout_seconds: Bound on each collective (one all-reduce
+            of a step): catches a peer that is alive but stuck. `None`, the
+            default, sets none. TensorFlow implements it with one sleeping
+            thread per collective, alive for the whole timeout: at 100 steps
+            a second and a 60 s bound that is 12,000 threads, and a step
+            that legitimately waits longer (say, the chief saving a large
+            checkpoint) fails. Use it to debug hangs.
 
     Raises:
         ValueError: If the cluster is missing or malformed (the message names
@@ -70,19 +83,13 @@ class MultiWorkerReplicator(
         cluster: Any = None,
         replicas_per_worker: int | None = None,
         timeout_seconds: float | None = 60,
+        collective_timeout_seconds: float | None = None,
     ):
         validation.check_positive_int(
             "replicas_per_worker", replicas_per_worker, allow_none=True
         )
-        if timeout_seconds is not None and (
-            isinstance(timeout_seconds, bool)
-            or not isinstance(timeout_seconds, (int, float))
-            or timeout_seconds <= 0
-        ):
-            raise ValueError(
-                "`timeout_seconds` must be a positive number or None. "
-                f"Received: timeout_seconds={timeout_seconds!r}"
-            )
+        _check_timeout("timeout_seconds", timeout_seconds)
+        _check_timeout("collective_timeout_seconds", collective_timeout_seconds)
         resolver, config = cluster_lib.resolve(cluster)
         if config.task_type not in ("chief", "worker"):
             raise ValueError(
@@ -91,17 +98,19 @@ class MultiWorkerReplicator(
             )
         self._cluster_config = config
         self._timeout_seconds = timeout_seconds
+        self._collective_timeout_seconds = collective_timeout_seconds
         _take_gpu_share(config)
         device_type, count = _local_devices(replicas_per_worker)
         # Read by CollectiveAllReduceExtended; see
         # base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
-        # A dead peer is usually reported within seconds by TensorFlow's
-        # coordination service (heartbeats; the error names the lost task).
-        # The collective timeout bounds the rest: a hung peer, or one that
-        # never joins.
+        # A dead peer is reported by TensorFlow's coordination service
+        # (heartbeats; the error names the lost task); a peer that never
+        # comes up, by the start-up watchdog below. A per-collective timeout
+        # costs a thread per collective (see the docstring): opt-in only.
+        _configure_heartbeats(config, timeout_seconds)
         options = tf.distribute.experimental.CommunicationOptions(
-            timeout_seconds=timeout_seconds
+            timeout_seconds=collective_timeout_seconds
         )
         # Files and progress bars on the chief only; see chief_only.
         chief_only.install()
@@ -141,8 +150,62 @@ class MultiWorkerReplicator(
 
     @property
     def timeout_seconds(self) -> float | None:
-        """The collective timeout in seconds (None: no timeout)."""
+        """The start-up and lost-worker bound in seconds (None: none)."""
         return self._timeout_seconds
+
+    @property
+    def collective_timeout_seconds(self) -> float | None:
+        """The bound on each collective in seconds (None: none)."""
+        return self._collective_timeout_seconds
+
+
+# TensorFlow's coordination service declares a task lost after this long
+# without a heartbeat unless told otherwise.
+_TF_HEARTBEAT_SECONDS = 10
+
+
+def _check_timeout(name: str, value: Any) -> None:
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value <= 0
+    ):
+        raise ValueError(
+            f"`{name}` must be a positive number or None. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def _configure_heartbeats(
+    config: cluster_lib.ClusterConfig, timeout_seconds: float | None
+) -> None:
+    """Makes a lost worker known within `timeout_seconds` (if below 10 s).
+
+    `CollectiveAllReduceExtended` configures TensorFlow's coordination
+    service with its defaults unless it is configured already; configuring
+    it first, the same way, adds the heartbeat timeout. Only the process's
+    first multi-worker replicator can: the service lives as long as the
+    process's TensorFlow context.
+    """
+    if timeout_seconds is None or timeout_seconds >= _TF_HEARTBEAT_SECONDS:
+        return
+    ctx = context.context()
+    if ctx.coordination_service is not None:
+        return
+    spec = tf.train.ClusterSpec(config.cluster)
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(
+            name=job, num_tasks=spec.num_tasks(job)
+        )
+        for job in ("chief", "worker")
+        if job in spec.jobs
+    ]
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        heartbeat_timeout_in_ms=max(1, int(timeout_seconds * 1000)),
+    )
 
 
 class _MultiWorkerExtended(_Extended):

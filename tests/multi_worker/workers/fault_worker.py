@@ -1,7 +1,9 @@
 """Worker of test_faults.py: fit with BackupAndRestore; may die mid-fit.
 
 argv: <initial weights .npz> <output dir>. With KR_TEST_DIE_AT_EPOCH=E, task
-KR_TEST_DIE_TASK (default 1) kills itself with SIGKILL when epoch E begins.
+KR_TEST_DIE_TASK (default 1) kills itself with SIGKILL when epoch E begins,
+or with KR_TEST_HANG=1 stays alive but stuck (sleeps). KR_TEST_TIMEOUT and
+KR_TEST_COLLECTIVE_TIMEOUT set the replicator's two timeouts.
 """
 
 import os
@@ -11,8 +13,10 @@ import time
 
 import keras_replicator as kr
 
+collective_timeout = os.environ.get("KR_TEST_COLLECTIVE_TIMEOUT")
 replicator = kr.MultiWorkerReplicator(
-    timeout_seconds=float(os.environ.get("KR_TEST_TIMEOUT", "60"))
+    timeout_seconds=float(os.environ.get("KR_TEST_TIMEOUT", "60")),
+    collective_timeout_seconds=collective_timeout and float(collective_timeout),
 )
 
 import keras  # noqa: E402
@@ -31,6 +35,8 @@ def maybe_die(epoch, logs=None):
         print(f"task {die_task} dies at epoch {epoch}", flush=True)
         with open(os.path.join(out_dir, "died_at"), "w") as f:
             f.write(str(time.time()))
+        if os.environ.get("KR_TEST_HANG"):
+            time.sleep(3600)  # alive (heartbeats go on) but never steps
         os.kill(os.getpid(), signal.SIGKILL)
 
 
