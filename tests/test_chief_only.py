@@ -4,8 +4,11 @@ import inspect
 import os
 
 import keras
+import numpy as np
+import pytest
 from keras.src.callbacks import callback_list
 
+import keras_replicator as kr
 from keras_replicator._src.callbacks import chief_only
 
 
@@ -62,3 +65,75 @@ def test_install_is_reversible():
     assert callback_list.CallbackList.__init__ is keras_init
     if was:
         chief_only.install()
+
+
+class _NonChief(kr.LocalReplicator):
+    """One process playing a non-chief worker, for the hook's sake."""
+
+    is_chief = False
+    worker_index = 1
+
+
+class _Raise(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise RuntimeError("boom")
+
+
+class _NestedPredict(keras.callbacks.Callback):
+    """Calls predict with one of fit's own callbacks in the middle of fit."""
+
+    def __init__(self, shared, x):
+        super().__init__()
+        self.shared, self.x, self.seen = shared, x, []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(self.shared.filename)
+        self.model.predict(self.x, callbacks=[self.shared], verbose=0)
+        self.seen.append(self.shared.filename)
+
+
+@pytest.fixture
+def non_chief_model():
+    chief_only.install()
+    with _NonChief(num_replicas=1).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    x = np.ones((8, 3), "float32")
+    return model, x
+
+
+def test_paths_come_back_after_a_fit_that_raised(tmp_path, non_chief_model):
+    model, x = non_chief_model
+    path = str(tmp_path / "log.csv")
+    csv = keras.callbacks.CSVLogger(path)
+    # A script that catches the error: the call's CallbackList is freed.
+    try:
+        model.fit(x, x[:, :1], callbacks=[csv, _Raise()], verbose=0)
+    except RuntimeError:
+        pass
+    assert csv.filename == path
+    # A notebook keeps the last traceback (and the call's frame) alive; the
+    # next call restores the paths before moving them again.
+    kept = None
+    try:
+        model.fit(x, x[:, :1], callbacks=[csv, _Raise()], verbose=0)
+    except RuntimeError as e:
+        kept = e
+    assert csv.filename != path
+    model.fit(x, x[:, :1], callbacks=[csv], verbose=0)
+    assert csv.filename == path, kept
+    assert not (tmp_path / "log.csv").exists()  # a non-chief never wrote it
+
+
+def test_a_nested_call_keeps_the_running_calls_paths(tmp_path, non_chief_model):
+    model, x = non_chief_model
+    path = str(tmp_path / "log.csv")
+    csv = keras.callbacks.CSVLogger(path)
+    nested = _NestedPredict(csv, x)
+    model.fit(x, x[:, :1], epochs=2, callbacks=[csv, nested], verbose=0)
+    moved = nested.seen[0]
+    assert moved != path
+    # predict moved it again and put back fit's temporary path, not the real
+    # one, while fit ran.
+    assert nested.seen == [moved, moved, moved, moved]
+    assert csv.filename == path

@@ -18,8 +18,17 @@ process is not the chief; then it
   directory (`BackupAndRestore` first restores from the real backup, which
   the chief wrote, then writes to the temporary one);
 - drops the progress bar;
-- at the end of fit/evaluate/predict (or at exit, after a crash) restores
-  the callbacks' paths and deletes the temporary directory.
+- at the end of fit/evaluate/predict restores the callbacks' paths and
+  deletes the temporary directory.
+
+A call that raises runs no `*_end` hook. Its paths are restored as soon as
+the call is known to be over: when its `CallbackList` is garbage collected
+(a script that caught the error), or when the next fit/evaluate/predict
+starts and the raised call's frame is not executing in any thread (a
+notebook, whose last traceback keeps that frame alive). A call nested in a
+running one (a callback calling `predict` with fit's own callbacks) is not
+mistaken for that: the outer call's frame is still executing. At exit the
+temporary directories go in any case.
 
 `tests/test_chief_only.py` checks the Keras signature and attributes this
 relies on, so a Keras upgrade that changes them fails loudly.
@@ -31,8 +40,10 @@ import atexit
 import functools
 import os
 import shutil
+import sys
 import tempfile
 import threading
+import weakref
 
 import keras
 from keras.src.callbacks import callback_list
@@ -56,6 +67,8 @@ BACKUP_ATTRIBUTES = (
 
 _lock = threading.Lock()
 _original_init = None
+# Cleanups of calls that have not finished them yet.
+_unfinished = set()
 
 
 def install() -> None:
@@ -97,8 +110,11 @@ def _make_init(original):
         if isinstance(strategy, base.ReplicatorMixin) and not (
             strategy.is_chief
         ):
+            finish_abandoned()
             callbacks = redirect(callbacks, strategy.worker_index)
             add_progbar = False
+            # The caller is Keras' fit/evaluate/predict.
+            callbacks[-1].track(self, sys._getframe(1))
         original(
             self,
             callbacks,
@@ -147,6 +163,27 @@ def redirect(callbacks, worker_index: int) -> list:
     return out
 
 
+def finish_abandoned() -> None:
+    """Restores the paths of calls that raised and are over.
+
+    A call is over when the frame that created its `CallbackList` is not
+    executing in any thread (a frame kept only by a traceback is not).
+    """
+    executing = set()
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            executing.add((id(frame), frame.f_code))
+            frame = frame.f_back
+    with _lock:
+        abandoned = [
+            c
+            for c in _unfinished
+            if c.frame_key is not None and c.frame_key not in executing
+        ]
+    for cleanup in abandoned:
+        cleanup.finish()
+
+
 def _inside(slot: str, callback, name: str) -> str:
     path = os.fspath(getattr(callback, name)).rstrip("/\\")
     return os.path.join(slot, os.path.basename(path) or "out")
@@ -160,16 +197,32 @@ class _Cleanup(keras.callbacks.Callback):
         self._tmp = tmp
         self._moved = []
         self._training = False
+        self.frame_key = None
         # After a crash no *_end hook runs; still delete at exit.
         self._at_exit = functools.partial(shutil.rmtree, tmp, True)
         atexit.register(self._at_exit)
+        with _lock:
+            _unfinished.add(self)
+
+    def track(self, callback_list_, frame) -> None:
+        """Finishes when `callback_list_` is collected; notes its caller.
+
+        The frame is kept by id and code only (no reference, so no leak):
+        while the `CallbackList` lives, the frame that holds it does too,
+        and its id is not reused.
+        """
+        self.frame_key = (id(frame), frame.f_code)
+        weakref.finalize(callback_list_, self.finish)
 
     def move(self, callback, name: str, value: str) -> None:
         """Sets `callback.<name>` to `value` until the end."""
         self._moved.append((callback, name, getattr(callback, name)))
         setattr(callback, name, value)
 
-    def _finish(self):
+    def finish(self):
+        """Restores the paths and deletes the directory (idempotent)."""
+        with _lock:
+            _unfinished.discard(self)
         for callback, name, value in reversed(self._moved):
             setattr(callback, name, value)
         self._moved = []
@@ -181,15 +234,15 @@ class _Cleanup(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._training = False
-        self._finish()
+        self.finish()
 
     def on_test_end(self, logs=None):
         # fit() runs validation through the same callbacks: not the end yet.
         if not self._training:
-            self._finish()
+            self.finish()
 
     def on_predict_end(self, logs=None):
-        self._finish()
+        self.finish()
 
 
 class _RetargetBackup(keras.callbacks.Callback):
