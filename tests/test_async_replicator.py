@@ -105,6 +105,52 @@ def test_source_rejects_targets_with_a_dataset():
         async_data.Source(None)
 
 
+def test_source_rejects_a_distributed_dataset():
+    distributed = tf.distribute.MirroredStrategy(
+        ["/cpu:0"]
+    ).experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(np.zeros((4, 3))).batch(2)
+    )
+    with pytest.raises(ValueError, match="not a distributed dataset"):
+        async_data.Source(distributed)
+
+
+def test_distribute_says_what_to_pass_fit_instead():
+    # `distribute` must raise before it touches the replicator, so an
+    # instance without a cluster (no __init__) is enough to test it.
+    replicator = async_ps.AsyncReplicator.__new__(async_ps.AsyncReplicator)
+    examples = tf.data.Dataset.from_tensor_slices(np.zeros((8, 3)))
+    with pytest.raises(NotImplementedError) as info:
+        replicator.distribute(examples, 4, shuffle_seed=0)
+    message = str(info.value)
+    assert "tf.data.Dataset of batches" in message
+    assert "input_fn(ctx)" in message
+    assert "`batch_size`" in message
+    assert "Received: dataset_or_input_fn=<" in message
+    assert message.endswith("global_batch_size=4")
+
+
+class _FakeRemoteValue:
+    def fetch(self):
+        return [np.float32(1.5), np.int32(2)]
+
+    def get(self):
+        return [tf.constant(1.5), tf.constant(2)]
+
+
+def test_remote_value_puts_back_none_leaves():
+    outputs = {"loss": 0.0, "aux": None, "pair": (None, 0)}
+    none_leaves = tf.nest.map_structure(lambda v: v is None, outputs)
+    remote = async_ps._RemoteValueWithNones(_FakeRemoteValue(), none_leaves)
+    assert isinstance(
+        remote, tf.distribute.experimental.coordinator.RemoteValue
+    )
+    assert remote.fetch() == {"loss": 1.5, "aux": None, "pair": (None, 2)}
+    got = remote.get()
+    assert got["aux"] is None and got["pair"][0] is None
+    assert float(got["loss"]) == 1.5 and int(got["pair"][1]) == 2
+
+
 def test_ps_failure_becomes_a_clear_error_naming_the_server():
     config = kr._src.cluster.parse_tf_config(_cluster(chief=1, worker=1, ps=2))
     error = tf.errors.UnavailableError(

@@ -31,8 +31,9 @@ class Source:
         shuffle: Shuffle arrays (differently on every worker) for training.
 
     Raises:
-        ValueError: If `x` is missing, or `y`, `batch_size` or
-            `sample_weight` is given with a dataset or an `input_fn`.
+        ValueError: If `x` is missing or a distributed dataset, or `y`,
+            `batch_size` or `sample_weight` is given with a dataset or an
+            `input_fn`.
     """
 
     def __init__(
@@ -45,6 +46,14 @@ class Source:
                 "Received: x=None"
             )
         self.dataset = self.input_fn = self.arrays = None
+        if isinstance(x, tf.distribute.DistributedDataset):
+            # Otherwise taken for an array, failing deep in Keras.
+            raise ValueError(
+                "Under AsyncReplicator, pass `x` as a tf.data.Dataset of "
+                "batches, an input_fn(ctx) returning one, or arrays, not a "
+                "distributed dataset (every worker iterates its own copy). "
+                f"Received: x={x!r}"
+            )
         if isinstance(x, tf.data.Dataset) or callable(x):
             for name, value in (
                 ("y", y),

@@ -86,6 +86,10 @@ step = replicator.replicate(step_fn, input_fn)
 remote = [step() for _ in range(30)]
 fetched = [float(r.fetch()) for r in remote]
 replicator.join()
+# None leaves come back as None (a RemoteValue cannot hold them).
+with_none = replicator.replicate(
+    lambda b: {"sum": tf.reduce_sum(b), "none": None}, input_fn,
+    reduce="sum", steps_per_call=2)().fetch()
 
 harness.write_result({
     "sync_accuracy": sync_acc["accuracy"],
@@ -98,6 +102,7 @@ harness.write_result({
     "remote_type": type(remote[0]).__name__,
     "fetched": fetched,
     "counter": float(counter.numpy()),
+    "with_none": [float(with_none["sum"]), with_none["none"]],
 })
 """
 )
@@ -171,6 +176,7 @@ def test_fit_matches_synchronous_accuracy_and_counts_every_step():
     assert len(r["fetched"]) == 30
     assert all(v in range(1, 11) for v in r["fetched"])
     assert r["counter"] == 30.0
+    assert r["with_none"][0] in range(1, 11) and r["with_none"][1] is None
 
 
 @pytest.mark.timeout(300)

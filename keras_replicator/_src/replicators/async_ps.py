@@ -197,6 +197,41 @@ class AsyncReplicator(
             self, step_fn, input_fn, reduce, steps_per_call
         )
 
+    def distribute(self, dataset_or_input_fn, global_batch_size, **options):
+        """Not supported: pass `model.fit` batches or an `input_fn` instead.
+
+        The synchronous replicators' `distribute` shards examples into one
+        global batch per step over every replica. Asynchronous steps have no
+        global batch: each worker iterates its own copy of the data, forever,
+        and each step goes to whichever worker is free. `model.fit` (with
+        `steps_per_epoch`) takes a `tf.data.Dataset` of batches, an
+        `input_fn(ctx)` returning one, or NumPy arrays with `batch_size`;
+        `replicate` takes an `input_fn(ctx)`.
+
+        Args:
+            dataset_or_input_fn: Ignored.
+            global_batch_size: Ignored.
+            **options: Ignored.
+
+        Raises:
+            NotImplementedError: Always, saying what to pass instead.
+        """
+        # Raise here: the `DistributedDataset` the base method returns reaches
+        # `fit` as if it were an array and fails deep in Keras ("Invalid
+        # input shape ... Expected shape (None, 3), but input has
+        # incompatible shape (None,)").
+        raise NotImplementedError(
+            "AsyncReplicator has no `distribute()`: each worker iterates its "
+            "own copy of the data and every step goes to whichever worker is "
+            "free, so there is no global batch to shard. Pass `model.fit` "
+            "(with `steps_per_epoch`) a tf.data.Dataset of batches, an "
+            "input_fn(ctx) returning one, or NumPy arrays with `batch_size` "
+            "(the batch of one step on one worker), shuffled without a fixed "
+            "seed so that workers see different orders. Received: "
+            f"dataset_or_input_fn={dataset_or_input_fn!r}, "
+            f"global_batch_size={global_batch_size!r}"
+        )
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_workers={self.num_workers}, "
@@ -223,17 +258,68 @@ class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         )
         self._iterator = iter(self.dataset)
+        # The outputs' structure, True at each None leaf; set when `_run`
+        # is traced, and None if no leaf is None.
+        self._none_leaves = None
         self._function = tf.function(self._run)
 
     def __call__(self):
         """Schedules `steps_per_call` steps on a free worker.
 
         Returns:
-            A `RemoteValue`; `fetch()` returns the last step's outputs.
+            A `RemoteValue`; `fetch()` returns the last step's outputs,
+            None leaves included.
         """
-        return self.strategy.coordinator.schedule(
+        # `schedule` traces the function before it returns, so
+        # `_none_leaves` is up to date here.
+        remote = self.strategy.coordinator.schedule(
             self._function, args=(self._iterator,)
         )
+        if self._none_leaves is None:
+            return remote
+        return _RemoteValueWithNones(remote, self._none_leaves)
+
+    def _run(self, iterator):
+        outputs = super()._run(iterator)
+        flat = tf.nest.flatten(outputs)
+        if outputs is None or all(v is not None for v in flat):
+            self._none_leaves = None
+            return outputs
+        # A RemoteValue cannot hold None: fetching one fails with "Attempt
+        # to convert a value (None) with an unsupported type". Send the
+        # tensors only; `_RemoteValueWithNones` puts the None leaves back.
+        self._none_leaves = tf.nest.map_structure(lambda v: v is None, outputs)
+        return [v for v in flat if v is not None]
+
+
+class _RemoteValueWithNones(tf.distribute.experimental.coordinator.RemoteValue):
+    """A step's `RemoteValue`, with the None leaves the worker did not send.
+
+    Args:
+        remote: The `RemoteValue` of the step's tensors, a flat list.
+        none_leaves: The structure of the step's outputs, True at its None
+            leaves and False at its tensors.
+    """
+
+    def __init__(self, remote, none_leaves):
+        self._remote = remote
+        self._none_leaves = none_leaves
+
+    def fetch(self):
+        """Waits for the step; returns its outputs as NumPy values."""
+        return self._restore(self._remote.fetch())
+
+    def get(self):
+        """Waits for the step; returns its outputs as tensors."""
+        return self._restore(self._remote.get())
+
+    def _restore(self, values):
+        values = iter(values)
+        flat = [
+            None if is_none else next(values)
+            for is_none in tf.nest.flatten(self._none_leaves)
+        ]
+        return tf.nest.pack_sequence_as(self._none_leaves, flat)
 
 
 class ParameterServerError(RuntimeError):
