@@ -1,12 +1,16 @@
 """MetricReduction: exact global logs; what Keras already reduces; position."""
 
 import contextlib
+import threading
+import types
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_replicator as kr
+from keras_replicator._src.callbacks import metric_reduction
 
 # 34 training examples in global batches of 16: the last batch holds 2,
 # which 4 replicas split 1/1/0/0. 18 validation examples in batches of 8:
@@ -180,3 +184,85 @@ def test_empty_logs_return_early():
     callback.on_epoch_end(0, {})
     callback.on_test_end({})
     callback.on_train_end(None)
+
+
+class _ThreadCollective:
+    """An all-reduce over threads that fails like TF on unequal shapes."""
+
+    def __init__(self, workers):
+        self._barrier = threading.Barrier(workers, timeout=30)
+        self._vectors = {}
+        self.shapes = []
+
+    def __call__(self, strategy, vector):
+        name = threading.current_thread().name
+        self._vectors[name] = vector
+        self._barrier.wait()
+        vectors = list(self._vectors.values())
+        shapes = sorted({v.shape for v in vectors})
+        self._barrier.wait()
+        self.shapes.append(shapes)
+        if len(shapes) > 1:
+            raise tf.errors.InvalidArgumentError(
+                None, None, f"Shape mismatch in the collective: {shapes}"
+            )
+        return np.sum(vectors, axis=0)
+
+
+def _reduce_on_two_workers(monkeypatch, logs_per_worker):
+    """Runs `on_epoch_end` as two workers would, each with its own logs."""
+    collective = _ThreadCollective(len(logs_per_worker))
+    monkeypatch.setattr(metric_reduction, "_sum_over_workers", collective)
+    strategy = types.SimpleNamespace(num_workers=len(logs_per_worker))
+    model = types.SimpleNamespace(distribute_strategy=strategy)
+    outcomes = {}
+
+    def worker(index, logs):
+        callback = kr.callbacks.MetricReduction()
+        callback.set_model(model)
+        try:
+            callback.on_epoch_end(0, logs)
+            outcomes[index] = logs
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            outcomes[index] = e
+
+    threads = [
+        threading.Thread(target=worker, args=(i, logs), name=f"worker{i}")
+        for i, logs in enumerate(logs_per_worker)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return [outcomes[i] for i in range(len(threads))], collective
+
+
+@pytest.mark.parametrize(
+    "logs_per_worker",
+    [
+        [{"a": 1.0}, {"a": 1.0, "b": 2.0}],
+        [{"loss": 1.0}, {"loss": 1.0, "a": 2.0}],
+        [{"a": 1.0}, {"b": 1.0}],
+    ],
+    ids=["one_and_two_keys", "none_and_one_key", "same_count_other_name"],
+)
+def test_workers_with_different_keys_raise_before_exchanging_values(
+    monkeypatch, logs_per_worker
+):
+    outcomes, collective = _reduce_on_two_workers(monkeypatch, logs_per_worker)
+    for index, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RuntimeError), outcome
+        message = str(outcome)
+        assert "same log keys on every worker" in message
+        assert f"Received: logs={sorted(logs_per_worker[index])}" in message
+    # Only the fixed-size check ran; no collective saw unequal shapes.
+    assert collective.shapes == [[(5,)], [(5,)]]
+
+
+def test_workers_with_the_same_keys_average_by_examples(monkeypatch):
+    outcomes, collective = _reduce_on_two_workers(
+        monkeypatch, [{"loss": 1.0, "a": 1.0}, {"loss": 2.0, "a": 3.0}]
+    )
+    # `loss` is not a metric here (no batch ran), so both are averaged.
+    assert outcomes == [{"loss": 1.5, "a": 2.0}] * 2
+    assert collective.shapes == [[(5,)], [(5,)], [(2,)], [(2,)]]

@@ -78,8 +78,11 @@ class MetricReduction(keras.callbacks.Callback):
     the end, so they see the reduced values. At train begin the callback
     checks its position and raises if a known log reader comes first.
 
-    Every worker must produce the same log keys in the same hooks; the
-    values are packed in sorted key order into one all-reduce per hook.
+    Every worker must produce the same log keys in the same hooks. Each
+    hook first all-reduces a fixed-size summary of its keys, so workers
+    that disagree all stop with a clear error; only then, and only if
+    there are values other than the model's metrics, does a second
+    all-reduce carry them, packed in sorted key order.
 
     Example:
     ```python
@@ -93,7 +96,8 @@ class MetricReduction(keras.callbacks.Callback):
         ValueError: At train begin, if a log-reading callback comes before
             this one in the callback list, or the list holds two
             `MetricReduction` callbacks.
-        RuntimeError: If workers log different keys.
+        RuntimeError: If workers log different keys, or different numbers
+            of keys, in the same hook.
     """
 
     def __init__(self):
@@ -167,25 +171,41 @@ class MetricReduction(keras.callbacks.Callback):
 
     def _reduce_other(self, logs, metric_keys, examples):
         strategy = self.model.distribute_strategy
-        if _num_workers(strategy) <= 1:
+        workers = _num_workers(strategy)
+        if workers <= 1:
             return
         # Sorted: every worker packs the same keys in the same order.
         keys = sorted(
             k for k in logs if k not in metric_keys and _is_number(logs[k])
         )
         weight = 1.0 if examples is None else examples
+        # First a summary of the keys whose shape never depends on them: an
+        # all-reduce of vectors of different lengths fails inside the
+        # collective ("Shape mismatch in the collective instance") and
+        # leaves the collectives of every worker unusable.
         fingerprint = zlib.crc32("\0".join(keys).encode()) % _FINGERPRINT_MOD
-        packed = [float(fingerprint), weight]
-        packed += [float(logs[k]) * weight for k in keys]
-        total = _sum_over_workers(strategy, np.array(packed, np.float64))
-        workers = _num_workers(strategy)
-        if total[0] != fingerprint * workers:
+        summary = [fingerprint, len(keys)]
+        # With the sums of squares as well, the totals equal `workers` times
+        # this worker's values only if every worker's values are equal, so
+        # all workers pass the check or all raise; none is left waiting in
+        # the next all-reduce. Integers below 2**40 sum exactly in float64.
+        check = [*summary, *(v * v for v in summary)]
+        total = _sum_over_workers(strategy, np.array([*check, weight]))
+        if any(total[i] != value * workers for i, value in enumerate(check)):
             raise RuntimeError(
-                "MetricReduction needs the same log keys on every worker; "
-                f"this worker has {keys}. Received: logs={sorted(logs)}"
+                "MetricReduction needs the same log keys on every worker, "
+                "in the same hooks; the workers' keys differ (in name or "
+                f"number). This worker has {len(keys)}: {keys}. Add the same "
+                "keys to `logs` on every worker. Received: "
+                f"logs={sorted(logs)}"
             )
-        for i, key in enumerate(keys):
-            logs[key] = float(total[2 + i] / total[1])
+        if not keys:
+            return
+        values = np.array([float(logs[k]) * weight for k in keys])
+        sums = _sum_over_workers(strategy, values)
+        total_weight = total[len(check)]
+        for key, value in zip(keys, sums, strict=True):
+            logs[key] = float(value / total_weight)
 
     def _check_position(self):
         callbacks = _enclosing_callback_list(self)
