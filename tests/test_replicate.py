@@ -127,3 +127,68 @@ def test_end_of_data_raises_out_of_range(replicator):
     step()
     with pytest.raises(tf.errors.OutOfRangeError):
         step()
+
+
+def _counting_input_fn(ctx):
+    # Any replica count: replica i of step 0 gets the batch [i].
+    return tf.data.Dataset.range(1000).batch(1).repeat()
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 2])
+@pytest.mark.parametrize("reduce", ["mean", "sum", None])
+def test_none_leaves_stay_none(replicator, reduce, steps_per_call):
+    step = replicator.replicate(
+        lambda b: {"total": tf.reduce_sum(b), "aux": None, "pair": (None,)},
+        _range_input_fn,
+        reduce=reduce,
+        steps_per_call=steps_per_call,
+    )
+    out = step()
+    for nest in out if reduce is None else [out]:
+        assert nest["aux"] is None and nest["pair"] == (None,)
+    sums = [
+        [1.0, 5.0, 9.0, 13.0],  # step 0: elements [2i, 2i + 1]
+        [17.0, 21.0, 25.0, 29.0],  # step 1: elements [8 + 2i, 9 + 2i]
+    ][steps_per_call - 1]
+    if reduce is None:
+        assert [float(r["total"]) for r in out] == sums
+    else:
+        expected = np.mean(sums) if reduce == "mean" else np.sum(sums)
+        assert float(out["total"]) == expected
+
+
+@pytest.mark.parametrize(
+    "num_replicas, expected", [(1, 100.0), (4, 101.5)], ids=["one", "four"]
+)
+@pytest.mark.parametrize(
+    "dtype, mean_dtype",
+    [("int8", "float32"), ("uint16", "float32"), ("int32", "float64")],
+)
+def test_integer_mean_is_a_true_division_on_any_replica_count(
+    num_replicas, expected, dtype, mean_dtype
+):
+    replicator = kr.LocalReplicator(num_replicas)
+
+    def step_fn(batch):
+        # 100 + replica id: the sum over 4 replicas (406) overflows int8.
+        return tf.cast(100 + batch[0], dtype)
+
+    mean = replicator.replicate(step_fn, _counting_input_fn)()
+    assert mean.dtype == mean_dtype
+    assert float(mean) == expected
+    total = replicator.replicate(step_fn, _counting_input_fn, reduce="sum")()
+    assert total.dtype == dtype
+
+
+def test_rejects_non_numeric_outputs_for_reduction(replicator):
+    step = replicator.replicate(
+        lambda b: {"loss": tf.reduce_sum(b), "flag": tf.reduce_any(b > 3)},
+        _range_input_fn,
+        reduce="sum",
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"`reduce='sum'` needs numeric outputs.*tf\.cast.*"
+        r"Received: output dtypes=\{'loss': 'float32', 'flag': 'bool'\}",
+    ):
+        step()

@@ -65,11 +65,15 @@ class ReplicatedStep:
             `"sum"`, reduced over every replica of every worker (one value,
             the same on every worker); with `reduce=None`, a list with one
             output per local replica, in replica order. None if `step_fn`
-            returns None.
+            returns None; None leaves of a nest stay None. Integer outputs
+            under `"mean"` become floating point, as `tf.math.truediv`
+            makes them; see `replicate`.
 
         Raises:
             tf.errors.OutOfRangeError: If `input_fn`'s dataset ran out; make
                 it repeat for open-ended training loops.
+            TypeError: On the first call, if `reduce` is `"mean"` or `"sum"`
+                and an output is not numeric (e.g. `bool`).
         """
         outputs = self._function(self._iterator)
         if self.reduce is None and outputs is not None:
@@ -89,15 +93,28 @@ class ReplicatedStep:
                 (tf.constant(1),),
             )
             return None
-        _, outputs = tf.while_loop(
+        # tf.while_loop rejects None ("None values not supported"), so it
+        # carries only the tensors and the None leaves are put back after.
+        flat = tf.nest.flatten(outputs)
+        kept = [i for i, value in enumerate(flat) if value is not None]
+
+        def body(i, _):
+            latest = tf.nest.flatten(self._one_step(iterator))
+            return i + 1, [latest[j] for j in kept]
+
+        _, carried = tf.while_loop(
             lambda i, _: i < self.steps_per_call,
-            lambda i, _: (i + 1, self._one_step(iterator)),
-            (tf.constant(1), outputs),
+            body,
+            (tf.constant(1), [flat[j] for j in kept]),
         )
-        return outputs
+        for j, value in zip(kept, carried, strict=True):
+            flat[j] = value
+        return tf.nest.pack_sequence_as(outputs, flat)
 
     def _one_step(self, iterator):
-        per_replica = self.strategy.run(self._step_fn, args=(next(iterator),))
+        per_replica = self.strategy.run(
+            self._replica_step, args=(next(iterator),)
+        )
         if all(v is None for v in tf.nest.flatten(per_replica)):
             return None
         if self.reduce is None:
@@ -106,8 +123,18 @@ class ReplicatedStep:
         # is one more collective in the same graph, not a second round trip.
         op = self.reduce.upper()
         return tf.nest.map_structure(
-            lambda v: self.strategy.reduce(op, v, axis=None), per_replica
+            lambda v: (
+                None if v is None else self.strategy.reduce(op, v, axis=None)
+            ),
+            per_replica,
         )
+
+    def _replica_step(self, batch):
+        """One replica's `step_fn`, with outputs ready to be reduced."""
+        outputs = self._step_fn(batch)
+        if self.reduce is None:
+            return outputs
+        return _reducible(outputs, self.reduce)
 
 
 def replicate(
@@ -120,6 +147,16 @@ def replicate(
     """Compiles `step_fn` over every replica of `strategy`, fed by `input_fn`.
 
     See `ReplicatorMixin.replicate`, which calls this with itself.
+
+    `reduce="mean"` is a true division, as in `tf.distribute`'s own
+    `strategy.reduce("MEAN", ...)` over several replicas, which divides the
+    sum with `tf.math.truediv`: integer outputs come back as floating point,
+    `float32` for 8- and 16-bit integers and `float64` for 32- and 64-bit
+    ones, whatever the number of replicas (`strategy.reduce` itself leaves
+    them integer on one replica). They are cast on each replica before the
+    all-reduce, so the sum cannot overflow the integer type. `"sum"` keeps
+    the dtype. None leaves of a nest are not reduced and stay None, in every
+    mode.
 
     Args:
         strategy: The replicator to run on.
@@ -135,7 +172,8 @@ def replicate(
 
     Raises:
         TypeError: If `step_fn` or `input_fn` is not callable, or `input_fn`
-            does not return a `tf.data.Dataset`.
+            does not return a `tf.data.Dataset`; on the first call of the
+            step, if `reduce` is set and an output is not numeric.
         ValueError: If `reduce` or `steps_per_call` is not supported.
     """
     return ReplicatedStep(strategy, step_fn, input_fn, reduce, steps_per_call)
@@ -178,13 +216,60 @@ def _checked_input_fn(input_fn: InputFn) -> InputFn:
     return dataset_fn
 
 
+def _reducible(outputs: TensorTree, reduce: str) -> TensorTree:
+    """Checks one replica's outputs for `reduce`; casts integers for "mean".
+
+    Raises:
+        TypeError: If an output is not numeric (e.g. `bool` or `string`).
+    """
+    tensors = tf.nest.map_structure(
+        lambda v: None if v is None else tf.convert_to_tensor(v), outputs
+    )
+    dtypes = [v.dtype for v in tf.nest.flatten(tensors) if v is not None]
+    if not all(d.is_integer or d.is_floating or d.is_complex for d in dtypes):
+        received = tf.nest.map_structure(
+            lambda v: None if v is None else v.dtype.name, tensors
+        )
+        raise TypeError(
+            f"`reduce={reduce!r}` needs numeric outputs (integer, floating "
+            "point or complex) from `step_fn`; cast the others in `step_fn` "
+            "(e.g. `tf.cast(flag, tf.int32)`), or use reduce=None to get "
+            f"every replica's value. Received: output dtypes={received}"
+        )
+    if reduce != "mean":
+        return tensors
+    return tf.nest.map_structure(_mean_dtype, tensors)
+
+
+def _mean_dtype(value: tf.Tensor | None) -> tf.Tensor | None:
+    """Casts an integer tensor to the float `tf.math.truediv` would give."""
+    if value is None or not value.dtype.is_integer:
+        return value
+    # tf.math.truediv's own rule: float32 up to 16 bits, float64 above.
+    dtype = tf.float32 if value.dtype.size <= 2 else tf.float64
+    return tf.cast(value, dtype)
+
+
 def _local_results(strategy, per_replica) -> tuple:
-    """Splits a nest of per-replica values into one nest per local replica."""
+    """Splits a nest of per-replica values into one nest per local replica.
+
+    None leaves stay None in every replica's nest.
+    """
     flat = tf.nest.flatten(per_replica)
-    columns = [strategy.experimental_local_results(v) for v in flat]
+    replicas = len(
+        strategy.experimental_local_results(
+            next(v for v in flat if v is not None)
+        )
+    )
+    columns = [
+        (None,) * replicas
+        if v is None
+        else strategy.experimental_local_results(v)
+        for v in flat
+    ]
     return tuple(
         tf.nest.pack_sequence_as(per_replica, [col[i] for col in columns])
-        for i in range(len(columns[0]))
+        for i in range(replicas)
     )
 
 

@@ -159,7 +159,9 @@ class ReplicatorMixin:
                 `tf.distribute.InputContext`; returns a `tf.data.Dataset`.
             reduce: How outputs combine: `"mean"` or `"sum"` over all
                 replicas and workers, or None for a list with one output per
-                LOCAL replica, in replica order. Defaults to `"mean"`.
+                LOCAL replica, in replica order. Defaults to `"mean"`. A
+                mean is a true division, as `tf.distribute`'s: integer
+                outputs come back as floats; None leaves stay None.
             steps_per_call: Steps each call runs in one `tf.function` call
                 (outputs are the last step's). Defaults to 1.
 
