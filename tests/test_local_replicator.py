@@ -192,3 +192,47 @@ def test_batch_helpers_reject_indivisible_and_bad_sizes():
 def test_configure_cpu_replicas_rejects_non_positive():
     with pytest.raises(ValueError, match="Received: num_replicas=0"):
         kr.configure_cpu_replicas(0)
+
+
+def test_first_batch_smaller_than_the_replica_count():
+    # 3 examples on 4 replicas: one replica gets none. Keras' first build
+    # used to mean the replicas' batches ("Inputs to operation AddN ... must
+    # have the same size and shape"); see keras_compat.
+    x = np.linspace(0, 1, 30, dtype="float32").reshape(10, 3)
+    y = np.ones((10, 2), "float32")
+
+    def build(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.compile("sgd", "mse", metrics=["mae"])
+        return model
+
+    single = build(tf.distribute.get_strategy())
+    for step in ("evaluate", "predict", "fit"):
+        model = build(kr.LocalReplicator(num_replicas=4))
+        if step == "evaluate":
+            # Loss and metrics weigh examples, so they are exact.
+            np.testing.assert_allclose(
+                model.evaluate(x[:3], y[:3], verbose=0),
+                single.evaluate(x[:3], y[:3], verbose=0),
+                rtol=1e-6,
+            )
+        elif step == "predict":
+            np.testing.assert_allclose(
+                model.predict(x[:3], verbose=0),
+                single.predict(x[:3], verbose=0),
+                rtol=1e-6,
+            )
+        else:
+            # Training on an uneven split is inexact (README, Known
+            # limitations); here it must run, validation batch included.
+            history = model.fit(
+                x[:3], y[:3], validation_data=(x[:3], y[:3]), verbose=0
+            ).history
+            assert np.isfinite(history["loss"][0])
+            np.testing.assert_allclose(
+                history["val_loss"][0],
+                model.evaluate(x[:3], y[:3], verbose=0)[0],
+                rtol=1e-6,
+            )

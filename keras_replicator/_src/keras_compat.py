@@ -28,12 +28,20 @@ scalar leaves into ONE all-reduce (a stacked vector): same sums, same mean,
 one collective latency per step instead of k + 1.
 
 Every `fit`/`evaluate` also calls `_maybe_symbolic_build`, which pulls a
-batch from a fresh distributed iterator and all-reduces the WHOLE batch
-across workers, only to learn its shapes, even when the model, its loss,
-metrics and optimizer are already built (then `_symbolic_build` does
-nothing with it). Under our multi-worker strategies `install` skips that
-when everything is built: one iterator and one batch-sized all-reduce less
-per `fit`/`evaluate` call (about 0.1-0.3 s here), same results.
+batch from a fresh distributed iterator and reduces the WHOLE batch
+(`strategy.reduce("MEAN", batch)`: across workers, an all-reduce) only to
+learn its shapes, even when the model, its loss, metrics and optimizer are
+already built (then `_symbolic_build` does nothing with it). Under our
+replicators (local and multi-worker) `install` replaces it:
+
+- when everything is built it does nothing: one iterator and one
+  batch-sized all-reduce less per `fit`/`evaluate` call (about 0.1-0.3 s
+  here), same results;
+- otherwise it builds from this process's largest local replica batch, with
+  no collective. Keras' mean of the replicas' batches fails with "Inputs to
+  operation AddN ... must have the same size and shape" whenever the first
+  batch has fewer examples than there are replicas (3 examples on 4
+  replicas: one replica gets none), and the build needs only the shapes.
 
 `KERAS_TRAINER_CALLS` records the exact Keras source lines this relies on;
 `tests/test_keras_compat.py` fails when a Keras upgrade changes them.
@@ -45,6 +53,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from tensorflow.python.distribute import values as tf_values
 
+from keras_replicator._src.replicators import base
+
 _stock_reduce_per_replica = tf_trainer.reduce_per_replica
 
 # Source lines of keras/src/backend/tensorflow/trainer.py this module answers.
@@ -55,8 +65,12 @@ KERAS_TRAINER_CALLS = (
     "return _multi_worker_concat(v, strategy)",
     # install() replaces the module global that this call resolves.
     "outputs = reduce_per_replica(",
-    # install() wraps the method fit and evaluate call before each run.
+    # install() replaces the method fit and evaluate call before each run;
+    # `_maybe_symbolic_build` below does what these lines of it do.
     "self._maybe_symbolic_build(iterator=epoch_iterator)",
+    "for _, _, it in iterator:",
+    "maybe_distributed_data_batch = next(it)",
+    "self._symbolic_build(data_batch=data_batch)",
 )
 # What `Trainer._symbolic_build` (keras/src/trainers/trainer.py) checks
 # before it builds anything; `_fully_built` checks the same.
@@ -154,14 +168,39 @@ def uninstall() -> None:
 
 
 def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-    """Keras' method, minus its batch pull when nothing is left to build."""
-    if isinstance(self._distribute_strategy, KerasCompatMixin) and (
-        _fully_built(self)
-    ):
+    """Keras' method, built from a local batch under our replicators."""
+    strategy = self._distribute_strategy
+    if not _ours(strategy):
+        return _stock_maybe_symbolic_build(
+            self, iterator=iterator, data_batch=data_batch
+        )
+    if _fully_built(self):
         return None
-    return _stock_maybe_symbolic_build(
-        self, iterator=iterator, data_batch=data_batch
+    if iterator is not None:
+        for _, _, it in iterator:
+            data_batch = tf.nest.map_structure(_largest_local, next(it))
+            break
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+    return None
+
+
+def _ours(strategy) -> bool:
+    """Our synchronous replicators, whose builds this module takes over."""
+    return isinstance(strategy, base.ReplicatorMixin) and isinstance(
+        strategy,
+        (
+            tf.distribute.MirroredStrategy,
+            tf.distribute.MultiWorkerMirroredStrategy,
+        ),
     )
+
+
+def _largest_local(leaf):
+    """A distributed leaf's local value with the most examples."""
+    if not isinstance(leaf, tf.distribute.DistributedValues):
+        return leaf
+    return max(leaf.values, key=lambda v: v.shape[0] if v.shape.rank else 0)
 
 
 def _fully_built(model) -> bool:

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from keras_replicator._src import devices as devices_lib
 from keras_replicator._src import iterator_teardown
+from keras_replicator._src import keras_compat
 from keras_replicator._src import validation
 from keras_replicator._src.replicators import base
 
@@ -67,6 +68,8 @@ class LocalReplicator(
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
+        # Keras' first build must not reduce a batch across replicas.
+        keras_compat.install()
         super().__init__(devices=device_names)
 
 
