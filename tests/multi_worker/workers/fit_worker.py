@@ -16,8 +16,8 @@ replicator = kr.MultiWorkerReplicator()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from keras.src.backend.tensorflow import trainer as tf_trainer  # noqa: E402
 
-from keras_replicator._src import keras_compat  # noqa: E402
 from tests.multi_worker import fit_reference  # noqa: E402
 from tests.multi_worker import harness  # noqa: E402
 
@@ -34,9 +34,10 @@ def _files_in_tmp():
     )
 
 
-# Count the calls that pull a batch only to build the model (see keras_compat).
+# Count the calls that pull a batch only to build the model (see keras_compat:
+# it pulls one right before each `_symbolic_build`).
 batch_pulls = []
-_stock_build = keras_compat._stock_maybe_symbolic_build
+_stock_build = tf_trainer.TensorFlowTrainer._symbolic_build
 
 
 def _counting_build(*args, **kwargs):
@@ -44,7 +45,7 @@ def _counting_build(*args, **kwargs):
     return _stock_build(*args, **kwargs)
 
 
-keras_compat._stock_maybe_symbolic_build = _counting_build
+tf_trainer.TensorFlowTrainer._symbolic_build = _counting_build
 
 with replicator.scope():
     model = fit_reference.build()
