@@ -155,6 +155,24 @@ def test_unshuffled_order_matches_single_device_batches():
     assert steps == [list(range(8)), list(range(8, 16))]
 
 
+def test_input_fn_can_be_called_while_tracing():
+    # ParameterServerStrategy (AsyncReplicator) calls input functions in a
+    # tf.function, where cardinality is symbolic: it used to fail with
+    # "int() argument must be ... not 'SymbolicTensor'".
+    examples = tf.data.Dataset.range(10).map(lambda i: (i, i % 2))
+    input_fn = kr.data.shard(examples, 4, mode="eval")
+    ctx = tf.distribute.InputContext(1, 0, 1)
+
+    @tf.function
+    def first_batch():
+        return next(iter(input_fn(ctx)))
+
+    x, y, weight = first_batch()
+    assert x.numpy().tolist() == [0, 1, 2, 3]
+    assert y.numpy().tolist() == [0, 1, 0, 1]
+    assert weight.numpy().tolist() == [1, 1, 1, 1]
+
+
 def test_rejects_indivisible_global_batch():
     replicator = kr.LocalReplicator(4)
     with pytest.raises(ValueError, match="global_batch_size=6, num_replicas"):

@@ -72,7 +72,8 @@ def shard(
             reads `ctx.input_pipeline_id` or `ctx.num_input_pipelines` (as
             `tfds.load` does with `tfds.ReadConfig(input_context=ctx)`) it is
             trusted to shard its dataset itself; otherwise its dataset is
-            sharded here, like a dataset.
+            sharded here, like a dataset. Under `AsyncReplicator` pass a
+            function: its workers build their pipelines in tf.functions.
         global_batch_size: Examples per step over all replicas and workers.
         shuffle_seed: Shuffles training examples (within each input
             pipeline's shard) with this seed: the same order on every run, a
@@ -92,7 +93,8 @@ def shard(
     Raises:
         ValueError: If `mode` is unknown, a size is not a positive integer,
             or `global_batch_size` is not divisible by the replicas of the
-            strategy in scope.
+            strategy in scope; when called, under `AsyncReplicator`, if the
+            source is a dataset rather than a function.
         TypeError: If `dataset_or_input_fn` is neither a dataset nor callable.
     """
     if mode not in _MODES:
@@ -215,10 +217,10 @@ class ShardedInput:
         if pipelines > 1:
             counts = self._pipeline_counts(ctx)
             steps = _equal_steps(counts, per_pipeline, self.mode)
-        elif int(dataset.cardinality()) >= 0:
+        elif _known_cardinality(dataset) is not None:
             # Known for free: lets `take` end the padding, and Keras know the
             # number of steps (no "ran out of data" warning).
-            examples = int(dataset.cardinality())
+            examples = _known_cardinality(dataset)
             if self.mode == "train" and self.static_shapes:
                 steps = examples // per_pipeline
             else:
@@ -248,6 +250,20 @@ class ShardedInput:
     ) -> tf.data.Dataset:
         """One pipeline's shard of unbatched examples."""
         num = ctx.num_input_pipelines
+        if isinstance(self._source, tf.data.Dataset) and isinstance(
+            tf.distribute.get_strategy(),
+            tf.distribute.experimental.ParameterServerStrategy,
+        ):
+            # Its workers run input functions as tf.functions; a dataset
+            # made on the chief fails there with "Failed copying input
+            # tensor ... Unable to parse tensor proto".
+            raise ValueError(
+                "Under AsyncReplicator each worker builds its own input "
+                "pipeline, so `kr.data.shard` needs a function that makes "
+                "the dataset, not a dataset made here: "
+                "`kr.data.shard(lambda ctx: make_dataset(), ...)`. Received: "
+                f"dataset_or_input_fn={self._source!r}"
+            )
         if isinstance(self._source, tf.data.Dataset):
             dataset, policy = shard_sources.shard_source(
                 self._source, num, pipeline_id
@@ -347,6 +363,19 @@ def _equal_steps(counts: list[int], batch: int, mode: str) -> int:
         )
     # One epoch is as many global batches as the whole dataset fills.
     return sum(counts) // (batch * len(counts))
+
+
+def _known_cardinality(dataset: tf.data.Dataset) -> int | None:
+    """The number of examples if known without reading them, else None.
+
+    Also None while tracing: `ParameterServerStrategy` (AsyncReplicator)
+    calls input functions inside a `tf.function`, where the cardinality is
+    a symbolic tensor.
+    """
+    cardinality = tf.get_static_value(dataset.cardinality())
+    if cardinality is None or cardinality < 0:
+        return None
+    return int(cardinality)
 
 
 def _count(dataset: tf.data.Dataset) -> int:

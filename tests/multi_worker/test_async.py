@@ -91,12 +91,25 @@ with_none = replicator.replicate(
     lambda b: {"sum": tf.reduce_sum(b), "none": None}, input_fn,
     reduce="sum", steps_per_call=2)().fetch()
 
+iterations = int(model.optimizer.iterations.numpy())
+# kr.data.shard: a function that makes the dataset works (workers build
+# their pipelines in tf.functions); a dataset made here is refused clearly.
+examples = lambda ctx: tf.data.Dataset.from_tensor_slices((x_train, y_train))
+sharded = model.fit(kr.data.shard(examples, BATCH, shuffle_seed=0),
+                    epochs=1, steps_per_epoch=5, verbose=0)
+try:
+    model.fit(kr.data.shard(examples(None), BATCH), epochs=1,
+              steps_per_epoch=5, verbose=0)
+except ValueError as e:
+    errors["shard_dataset"] = str(e)
+
 harness.write_result({
+    "sharded_loss": sharded.history["loss"],
     "sync_accuracy": sync_acc["accuracy"],
     "accuracy": exact["accuracy"],
     "worker_eval_accuracy": on_workers["accuracy"],
     "predict_accuracy": float((predicted == y_test).mean()),
-    "iterations": int(model.optimizer.iterations.numpy()),
+    "iterations": iterations,
     "epochs_logged": len(history.history["loss"]),
     "errors": errors,
     "remote_type": type(remote[0]).__name__,
@@ -177,6 +190,11 @@ def test_fit_matches_synchronous_accuracy_and_counts_every_step():
     assert all(v in range(1, 11) for v in r["fetched"])
     assert r["counter"] == 30.0
     assert r["with_none"][0] in range(1, 11) and r["with_none"][1] is None
+    assert len(r["sharded_loss"]) == 1 and r["sharded_loss"][0] < 0.5, r
+    assert (
+        "needs a function that makes the dataset"
+        in (r["errors"]["shard_dataset"])
+    )
 
 
 @pytest.mark.timeout(300)
