@@ -93,6 +93,7 @@ def test_replicator_without_cluster_says_how_to_get_one(monkeypatch):
     [
         ({"replicas_per_worker": 0}, "replicas_per_worker=0"),
         ({"timeout_seconds": -1}, "timeout_seconds=-1"),
+        ({"timeout_seconds": float("nan")}, "timeout_seconds=nan"),
         (
             {"collective_timeout_seconds": "60"},
             "collective_timeout_seconds='60'",

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.distribute import collective_all_reduce_strategy as cars
-from tensorflow.python.distribute import multi_worker_util
-from tensorflow.python.eager import context
 
 from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import devices as devices_lib
@@ -57,11 +55,10 @@ class MultiWorkerReplicator(
             local GPUs, or with no GPU, to `KERAS_REPLICATOR_CPU_REPLICAS` if
             set, else 1. Every worker must use the same number.
         timeout_seconds: Bound on how long start-up may wait for the other
-            workers, and on how long the survivors take to learn that a
-            worker died (TensorFlow's coordination-service heartbeats, whose
-            timeout becomes `min(timeout_seconds, 10)`; 10 s is TensorFlow's
-            default). Defaults to 60. `None` waits forever at start-up and
-            keeps TensorFlow's heartbeats.
+            workers (then the worker ends, naming the peer it could not
+            reach). Defaults to 60. `None` waits forever. A worker that dies
+            later is reported by TensorFlow's coordination-service
+            heartbeats within about 10 s, whatever this is.
         collective_timeout_seconds: Bound on each collective (one all-reduce
             of a step): catches a peer that is alive but stuck. `None`, the
             default, sets none. TensorFlow implements it with one sleeping
@@ -105,10 +102,9 @@ class MultiWorkerReplicator(
         # base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
         # A dead peer is reported by TensorFlow's coordination service
-        # (heartbeats; the error names the lost task); a peer that never
-        # comes up, by the start-up watchdog below. A per-collective timeout
-        # costs a thread per collective (see the docstring): opt-in only.
-        _configure_heartbeats(config, timeout_seconds)
+        # (heartbeats, 10 s; the error names the lost task); a peer that
+        # never comes up, by the start-up watchdog below. A per-collective
+        # timeout costs a thread per collective (see the docstring): opt-in.
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=collective_timeout_seconds
         )
@@ -150,7 +146,7 @@ class MultiWorkerReplicator(
 
     @property
     def timeout_seconds(self) -> float | None:
-        """The start-up and lost-worker bound in seconds (None: none)."""
+        """The start-up bound in seconds (None: none)."""
         return self._timeout_seconds
 
     @property
@@ -159,53 +155,16 @@ class MultiWorkerReplicator(
         return self._collective_timeout_seconds
 
 
-# TensorFlow's coordination service declares a task lost after this long
-# without a heartbeat unless told otherwise.
-_TF_HEARTBEAT_SECONDS = 10
-
-
 def _check_timeout(name: str, value: Any) -> None:
     if value is not None and (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or value <= 0
+        or not 0 < value < math.inf
     ):
         raise ValueError(
-            f"`{name}` must be a positive number or None. "
+            f"`{name}` must be a positive, finite number or None. "
             f"Received: {name}={value!r}"
         )
-
-
-def _configure_heartbeats(
-    config: cluster_lib.ClusterConfig, timeout_seconds: float | None
-) -> None:
-    """Makes a lost worker known within `timeout_seconds` (if below 10 s).
-
-    `CollectiveAllReduceExtended` configures TensorFlow's coordination
-    service with its defaults unless it is configured already; configuring
-    it first, the same way, adds the heartbeat timeout. Only the process's
-    first multi-worker replicator can: the service lives as long as the
-    process's TensorFlow context.
-    """
-    if timeout_seconds is None or timeout_seconds >= _TF_HEARTBEAT_SECONDS:
-        return
-    ctx = context.context()
-    if ctx.coordination_service is not None:
-        return
-    spec = tf.train.ClusterSpec(config.cluster)
-    jobs = [
-        coordination_config_pb2.CoordinatedJob(
-            name=job, num_tasks=spec.num_tasks(job)
-        )
-        for job in ("chief", "worker")
-        if job in spec.jobs
-    ]
-    ctx.configure_coordination_service(
-        service_type="standalone",
-        service_leader=multi_worker_util.coordination_leader(spec),
-        coordinated_jobs=jobs,
-        heartbeat_timeout_in_ms=max(1, int(timeout_seconds * 1000)),
-    )
 
 
 class _MultiWorkerExtended(_Extended):
