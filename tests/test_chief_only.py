@@ -137,3 +137,23 @@ def test_a_nested_call_keeps_the_running_calls_paths(tmp_path, non_chief_model):
     # one, while fit ran.
     assert nested.seen == [moved, moved, moved, moved]
     assert csv.filename == path
+
+
+def test_a_users_own_callback_list_is_not_taken_for_abandoned(
+    tmp_path, non_chief_model
+):
+    model, x = non_chief_model
+    path = str(tmp_path / "log.csv")
+    csv = keras.callbacks.CSVLogger(path)
+
+    def make_list():  # its frame ends; the list lives on in a custom loop
+        return keras.callbacks.CallbackList([csv], model=model)
+
+    callbacks = make_list()
+    moved = csv.filename
+    assert moved != path
+    model.predict(x, verbose=0)  # another call: must not finish the list
+    assert csv.filename == moved
+    callbacks.on_train_begin()
+    callbacks.on_train_end()
+    assert csv.filename == path

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import os
 import shutil
 import sys
@@ -67,8 +68,14 @@ BACKUP_ATTRIBUTES = (
 
 _lock = threading.Lock()
 _original_init = None
-# Cleanups of calls that have not finished them yet.
+# Cleanups of calls that have not finished them yet. Guarded by its own
+# re-entrant lock: a garbage collection inside a guarded block may run a
+# `CallbackList` finalizer, which finishes a cleanup on the same thread.
 _unfinished = set()
+_unfinished_lock = threading.RLock()
+_created = itertools.count()
+# Keras' methods whose CallbackLists are finished once their frames end.
+_KERAS_CALLERS = ("fit", "evaluate", "predict")
 
 
 def install() -> None:
@@ -113,7 +120,6 @@ def _make_init(original):
             finish_abandoned()
             callbacks = redirect(callbacks, strategy.worker_index)
             add_progbar = False
-            # The caller is Keras' fit/evaluate/predict.
             callbacks[-1].track(self, sys._getframe(1))
         original(
             self,
@@ -164,23 +170,27 @@ def redirect(callbacks, worker_index: int) -> list:
 
 
 def finish_abandoned() -> None:
-    """Restores the paths of calls that raised and are over.
+    """Restores the paths of Keras calls that raised and are over.
 
-    A call is over when the frame that created its `CallbackList` is not
-    executing in any thread (a frame kept only by a traceback is not).
+    A call is over when the frame of Keras' fit/evaluate/predict that
+    created its `CallbackList` is not executing in any thread (a frame kept
+    only by a traceback is not). Nested calls finish innermost first.
     """
+    # Candidates before frames: a call starting meanwhile in another thread
+    # is not a candidate, and one already running shows in the frames.
+    with _unfinished_lock:
+        candidates = tuple(_unfinished)
     executing = set()
     for frame in sys._current_frames().values():
         while frame is not None:
             executing.add((id(frame), frame.f_code))
             frame = frame.f_back
-    with _lock:
-        abandoned = [
-            c
-            for c in _unfinished
-            if c.frame_key is not None and c.frame_key not in executing
-        ]
-    for cleanup in abandoned:
+    abandoned = [
+        c
+        for c in candidates
+        if c.frame_key is not None and c.frame_key not in executing
+    ]
+    for cleanup in sorted(abandoned, key=lambda c: -c.order):
         cleanup.finish()
 
 
@@ -198,21 +208,28 @@ class _Cleanup(keras.callbacks.Callback):
         self._moved = []
         self._training = False
         self.frame_key = None
+        self.order = next(_created)
+        self._finalizer = None
         # After a crash no *_end hook runs; still delete at exit.
         self._at_exit = functools.partial(shutil.rmtree, tmp, True)
         atexit.register(self._at_exit)
-        with _lock:
+        with _unfinished_lock:
             _unfinished.add(self)
 
     def track(self, callback_list_, frame) -> None:
-        """Finishes when `callback_list_` is collected; notes its caller.
+        """Finishes when `callback_list_` is collected, or is abandoned.
 
+        Only a `CallbackList` made by Keras' fit/evaluate/predict counts as
+        abandoned once its creating frame ends (see `finish_abandoned`);
+        one a user builds outside them lives as long as the user keeps it.
         The frame is kept by id and code only (no reference, so no leak):
         while the `CallbackList` lives, the frame that holds it does too,
         and its id is not reused.
         """
-        self.frame_key = (id(frame), frame.f_code)
-        weakref.finalize(callback_list_, self.finish)
+        code = frame.f_code
+        if code.co_name in _KERAS_CALLERS and "keras" in code.co_filename:
+            self.frame_key = (id(frame), code)
+        self._finalizer = weakref.finalize(callback_list_, self.finish)
 
     def move(self, callback, name: str, value: str) -> None:
         """Sets `callback.<name>` to `value` until the end."""
@@ -221,8 +238,10 @@ class _Cleanup(keras.callbacks.Callback):
 
     def finish(self):
         """Restores the paths and deletes the directory (idempotent)."""
-        with _lock:
+        with _unfinished_lock:
             _unfinished.discard(self)
+        if self._finalizer is not None:
+            self._finalizer.detach()
         for callback, name, value in reversed(self._moved):
             setattr(callback, name, value)
         self._moved = []
