@@ -189,6 +189,6 @@ def test_rejects_non_numeric_outputs_for_reduction(replicator):
     with pytest.raises(
         TypeError,
         match=r"`reduce='sum'` needs numeric outputs.*tf\.cast.*"
-        r"Received: output dtypes=\{'loss': 'float32', 'flag': 'bool'\}",
+        r"Received: output_dtypes=\{'loss': 'float32', 'flag': 'bool'\}",
     ):
         step()

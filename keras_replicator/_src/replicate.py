@@ -222,9 +222,7 @@ def _reducible(outputs: TensorTree, reduce: str) -> TensorTree:
     Raises:
         TypeError: If an output is not numeric (e.g. `bool` or `string`).
     """
-    tensors = tf.nest.map_structure(
-        lambda v: None if v is None else tf.convert_to_tensor(v), outputs
-    )
+    tensors = tf.nest.map_structure(_as_tensor, outputs)
     dtypes = [v.dtype for v in tf.nest.flatten(tensors) if v is not None]
     if not all(d.is_integer or d.is_floating or d.is_complex for d in dtypes):
         received = tf.nest.map_structure(
@@ -234,11 +232,18 @@ def _reducible(outputs: TensorTree, reduce: str) -> TensorTree:
             f"`reduce={reduce!r}` needs numeric outputs (integer, floating "
             "point or complex) from `step_fn`; cast the others in `step_fn` "
             "(e.g. `tf.cast(flag, tf.int32)`), or use reduce=None to get "
-            f"every replica's value. Received: output dtypes={received}"
+            f"every replica's value. Received: output_dtypes={received}"
         )
     if reduce != "mean":
         return tensors
     return tf.nest.map_structure(_mean_dtype, tensors)
+
+
+def _as_tensor(value):
+    """Numbers and arrays as tensors; tensors (sparse too) as they are."""
+    if value is None or tf.is_tensor(value):
+        return value
+    return tf.convert_to_tensor(value)
 
 
 def _mean_dtype(value: tf.Tensor | None) -> tf.Tensor | None:
