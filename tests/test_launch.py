@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +107,55 @@ def test_ctrl_c_ends_every_worker(tmp_path):
     for pid in map(int, os.listdir(pids)):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+BIND_MY_PORT = (
+    "import json, os, socket, sys; c = json.loads(os.environ['TF_CONFIG']); "
+    "host, port = c['cluster']['worker'][c['task']['index']].split(':'); "
+    "s = socket.socket(); s.bind((host, int(port))); print('bound', port)"
+)
+
+
+def test_a_taken_port_restarts_every_worker_on_new_ports(monkeypatch):
+    # Another process takes worker 1's port between the pick and the bind:
+    # the worker fails ("[Errno 98] Address already in use") and the
+    # launcher starts all workers again on new ports.
+    taken = socket.socket()
+    taken.bind((launch.LOOPBACK, 0))
+    taken.listen()
+    picks = []
+    real_free_ports = launch.free_ports
+
+    def free_ports(count):
+        ports = real_free_ports(count)
+        if not picks:
+            ports[1] = taken.getsockname()[1]
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(launch, "free_ports", free_ports)
+    out = io.StringIO()
+    try:
+        code = launch.launch(
+            [sys.executable, "-c", BIND_MY_PORT], workers=2, out=out
+        )
+    finally:
+        taken.close()
+    text = out.getvalue()
+    assert code == 0, text
+    assert len(picks) == 2, text
+    assert "Address already in use" in text
+    assert "starting all workers again on new ports (2 of 3)" in text
+    assert f"[worker 1] bound {picks[1][1]}" in text
+
+
+def test_other_failures_are_not_retried():
+    out = io.StringIO()
+    program = "import sys; print('no such file'); sys.exit(3)"
+    assert (
+        launch.launch([sys.executable, "-c", program], workers=2, out=out) == 3
+    )
+    assert "again on new ports" not in out.getvalue()
 
 
 def test_launch_rejects_bad_arguments():

@@ -27,6 +27,16 @@ LOOPBACK = "127.0.0.1"
 CPU_REPLICAS_ENV = "KERAS_REPLICATOR_CPU_REPLICAS"
 # Seconds between SIGTERM and SIGKILL when ending workers.
 _GRACE_SECONDS = 5.0
+# A worker's output that means another process took its port between our
+# pick (`free_ports`) and its bind. TensorFlow's gRPC server logs the first
+# two, and raises with the third (all that shows with TF_CPP_MIN_LOG_LEVEL=3).
+PORT_CLASH = (
+    "Address already in use",
+    "Failed to add port",
+    "Could not start gRPC server",
+)
+# Launches tried when a port was taken, all on new ports.
+_PORT_ATTEMPTS = 3
 
 
 def free_ports(count: int) -> list[int]:
@@ -99,6 +109,12 @@ def launch(
             the run ends when the chief exits. Defaults to 0.
         out: Where prefixed output goes. Defaults to `sys.stdout`.
 
+    Ports are picked free on 127.0.0.1, but another process may take one
+    before a worker binds it. When a run fails and a worker reported that
+    ("Address already in use"), every worker is ended and the whole command
+    starts again on new ports, up to 3 launches in all: the clash happens
+    as the cluster starts, before any training step.
+
     Returns:
         0 if every worker (with `ps`: the chief) succeeded; else the exit
         code of the first worker that failed (128 + N for a worker ended by
@@ -123,6 +139,24 @@ def launch(
             f"`ps` must be a non-negative integer. Received: ps={ps!r}"
         )
     out = out or sys.stdout
+    for attempt in range(1, _PORT_ATTEMPTS + 1):
+        code, clash = _launch_once(
+            command, workers, replicas_per_worker, ps, out
+        )
+        if code in (0, 130) or not clash.is_set() or attempt == _PORT_ATTEMPTS:
+            return code
+        _print(
+            out,
+            threading.Lock(),
+            "[launch] another process took a worker's port before it bound "
+            f"it; starting all workers again on new ports ({attempt + 1} of "
+            f"{_PORT_ATTEMPTS})",
+        )
+    raise AssertionError("unreachable")
+
+
+def _launch_once(command, workers, replicas_per_worker, ps, out):
+    """One launch; returns its exit code and whether a port clashed."""
     ports = free_ports(workers)
     # With parameter servers, `command` runs on the chief only; workers and
     # ps tasks run a bare TensorFlow server (see async_ps.SERVE_COMMAND).
@@ -139,6 +173,7 @@ def launch(
         ]
     )
     lock = threading.Lock()
+    clash = threading.Event()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     previous = signal.getsignal(signal.SIGTERM)
@@ -161,7 +196,7 @@ def launch(
             procs.append(proc)
             pump = threading.Thread(
                 target=_pump,
-                args=(proc.stdout, f"[{name}] ", out, lock),
+                args=(proc.stdout, f"[{name}] ", out, lock, clash),
                 daemon=True,
             )
             pump.start()
@@ -178,7 +213,7 @@ def launch(
             pump.join(timeout=_GRACE_SECONDS)
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-    return code
+    return code, clash
 
 
 def _ps_tasks(command, workers, ps, replicas_per_worker):
@@ -210,9 +245,12 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+def _pump(stream, prefix, out, lock, clash: threading.Event) -> None:
     for raw in iter(stream.readline, b""):
-        _print(out, lock, prefix + raw.decode(errors="replace").rstrip("\n"))
+        line = raw.decode(errors="replace").rstrip("\n")
+        if any(marker in line for marker in PORT_CLASH):
+            clash.set()
+        _print(out, lock, prefix + line)
     stream.close()
 
 

@@ -57,7 +57,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_ENV = "KERAS_REPLICATOR_RESULT"
 # Output that means another process grabbed a port between our pick and the
 # worker's bind; the harness then retries with new ports.
-_PORT_CLASH = ("Address already in use", "Failed to add port")
+_PORT_CLASH = (
+    "Address already in use",
+    "Failed to add port",
+    "Could not start gRPC server",
+)
 
 
 @dataclasses.dataclass
