@@ -5,6 +5,7 @@ The cluster tests are in tests/multi_worker/test_async.py.
 
 import inspect
 import json
+import socket
 
 import keras
 import numpy as np
@@ -170,6 +171,50 @@ def test_ps_failure_becomes_a_clear_error_naming_the_server():
     with pytest.raises(tf.errors.InvalidArgumentError):
         with async_ps.clear_ps_errors(config):
             raise other
+
+
+def test_an_error_naming_no_server_is_checked_against_the_servers():
+    # A run got an OutOfRangeError naming no task after a ps was killed.
+    alive = socket.socket()
+    alive.bind(("127.0.0.1", 0))
+    alive.listen()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()  # nothing listens there now
+    try:
+        ps = [f"127.0.0.1:{alive.getsockname()[1]}", f"127.0.0.1:{dead_port}"]
+        config = kr._src.cluster.parse_tf_config(
+            {
+                "cluster": {
+                    "chief": ["127.0.0.1:20000"],
+                    "worker": ["127.0.0.1:20001"],
+                    "ps": ps,
+                },
+                "task": {"type": "chief", "index": 0},
+            }
+        )
+        error = tf.errors.OutOfRangeError(None, None, "End of sequence")
+        with pytest.raises(async_ps.ParameterServerError) as info:
+            with async_ps.clear_ps_errors(config):
+                raise error
+        assert f"/job:ps/task:1 ({ps[1]})" in str(info.value)
+        # With every server answering, the error is the step's own.
+        alive_only = kr._src.cluster.parse_tf_config(
+            {
+                "cluster": {
+                    "chief": ["127.0.0.1:20000"],
+                    "worker": ["127.0.0.1:20001"],
+                    "ps": ps[:1],
+                },
+                "task": {"type": "chief", "index": 0},
+            }
+        )
+        with pytest.raises(tf.errors.OutOfRangeError):
+            with async_ps.clear_ps_errors(alive_only):
+                raise error
+    finally:
+        alive.close()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -351,12 +352,19 @@ def clear_ps_errors(
     try:
         yield
     except tf.errors.OpError as e:
-        if not is_ps_failure(e):
+        if is_ps_failure(e):
+            match = re.search(r"/job:ps/replica:\d+/task:(\d+)", str(e))
+            task = f"/job:ps/task:{match.group(1)}" if match else "/job:ps"
+            if match and config is not None:
+                task += f" ({config.cluster['ps'][int(match.group(1))]})"
+        elif isinstance(e, _MAYBE_PS_FAILURE) and config is not None:
+            # A dead server does not always say so: a run here got an
+            # OutOfRangeError that named no task. Ask the servers.
+            task = _unreachable_ps(config)
+            if task is None:
+                raise
+        else:
             raise
-        match = re.search(r"/job:ps/replica:\d+/task:(\d+)", str(e))
-        task = f"/job:ps/task:{match.group(1)}" if match else "/job:ps"
-        if match and config is not None:
-            task += f" ({config.cluster['ps'][int(match.group(1))]})"
         raise ParameterServerError(
             f"Parameter server {task} stopped responding, so the variables "
             "it held are lost and training cannot continue. Restart the "
@@ -395,6 +403,26 @@ def fetch_logs(result) -> dict:
         if is_ps_failure(e):
             raise
         return {}
+
+
+# Errors a step can end with when a parameter server dies mid-step.
+_MAYBE_PS_FAILURE = (
+    tf.errors.OutOfRangeError,
+    tf.errors.CancelledError,
+    tf.errors.UnknownError,
+    tf.errors.InternalError,
+)
+
+
+def _unreachable_ps(config: cluster_lib.ClusterConfig) -> str | None:
+    """The first ps task refusing connections, as "/job:ps/task:i (addr)"."""
+    for index, address in enumerate(config.cluster.get("ps", ())):
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+        except OSError:
+            return f"/job:ps/task:{index} ({address})"
+    return None
 
 
 def _ps_line(error: BaseException) -> str:
