@@ -217,10 +217,9 @@ class ShardedInput:
         if pipelines > 1:
             counts = self._pipeline_counts(ctx)
             steps = _equal_steps(counts, per_pipeline, self.mode)
-        elif _known_cardinality(dataset) is not None:
+        elif (examples := _known_cardinality(dataset)) is not None:
             # Known for free: lets `take` end the padding, and Keras know the
             # number of steps (no "ran out of data" warning).
-            examples = _known_cardinality(dataset)
             if self.mode == "train" and self.static_shapes:
                 steps = examples // per_pipeline
             else:
@@ -379,10 +378,10 @@ def _known_cardinality(dataset: tf.data.Dataset) -> int | None:
 
 
 def _count(dataset: tf.data.Dataset) -> int:
-    cardinality = int(dataset.cardinality())
-    if cardinality >= 0:
-        return cardinality
-    if cardinality == tf.data.INFINITE_CARDINALITY:
+    known = _known_cardinality(dataset)
+    if known is not None:
+        return known
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
         raise ValueError(
             "Several input pipelines need finite datasets to agree on a "
             "step count; this one repeats forever. Received: cardinality="

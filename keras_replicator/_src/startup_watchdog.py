@@ -32,17 +32,21 @@ def unreachable(
     lost = []
     for job in sorted(cluster):
         for index, address in enumerate(cluster[job]):
-            if address == me:
-                continue
-            host, _, port = address.rpartition(":")
-            try:
-                with socket.create_connection(
-                    (host.strip("[]"), int(port)), timeout=probe_seconds
-                ):
-                    pass
-            except OSError:
+            if address != me and refuses_connections(address, probe_seconds):
                 lost.append(f"{job}:{index} at {address}")
     return lost
+
+
+def refuses_connections(address: str, probe_seconds: float = 2.0) -> bool:
+    """Whether `host:port` refuses (or does not answer) a TCP connection."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection(
+            (host.strip("[]"), int(port)), timeout=probe_seconds
+        ):
+            return False
+    except OSError:
+        return True
 
 
 def message(lost: Sequence[str], timeout_seconds: float, me: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,7 @@ import tensorflow as tf
 
 from keras_replicator._src import cluster as cluster_lib
 from keras_replicator._src import replicate as replicate_lib
+from keras_replicator._src import startup_watchdog
 from keras_replicator._src.replicators import base
 
 # What a worker or ps process runs: a bare TensorFlow server for TF_CONFIG.
@@ -417,10 +417,7 @@ _MAYBE_PS_FAILURE = (
 def _unreachable_ps(config: cluster_lib.ClusterConfig) -> str | None:
     """The first ps task refusing connections, as "/job:ps/task:i (addr)"."""
     for index, address in enumerate(config.cluster.get("ps", ())):
-        host, _, port = address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=2).close()
-        except OSError:
+        if startup_watchdog.refuses_connections(address):
             return f"/job:ps/task:{index} ({address})"
     return None
 
