@@ -37,7 +37,7 @@ def make_runners(strategy, shapes, bytes_per_pack=32 * 2**20):
     from _common import timed
 
     import keras_replicator as kr
-    from keras_replicator._src import optimizer as optimizer_lib
+    from keras_replicator._src.training import optimizer as optimizer_lib
 
     with strategy.scope():
         grads = [tf.Variable(tf.ones(s) * 0.5) for s in shapes]
@@ -159,7 +159,7 @@ def worker(args):
 
 
 def spawn_workers(args):
-    from keras_replicator._src import launch
+    from keras_replicator._src.cluster import launch
 
     ports = launch.free_ports(2)
     procs = [

@@ -69,8 +69,8 @@ def train(mode, steps, warmup, result_path):
 
 def run_cluster(mode, steps, warmup):
     """Starts one cluster; returns (updates/sec, examples/sec)."""
-    from keras_replicator._src import cluster as cluster_lib
-    from keras_replicator._src import launch
+    from keras_replicator._src.cluster import config as cluster_lib
+    from keras_replicator._src.cluster import launch
     from keras_replicator._src.replicators import async_ps
 
     with tempfile.TemporaryDirectory() as tmp:

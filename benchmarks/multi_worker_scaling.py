@@ -27,7 +27,7 @@ loopback all-reduce (about 2 ms, two per step) caps any synchronous method.
 end of its last step, so set-up is in and teardown is out). The two differed
 by seconds until session 3: deleting the distributed iterator at the end of
 `fit` stalled on a lost wake-up of tf.data's autotune thread (see
-`keras_replicator/_src/iterator_teardown.py`); the rows now show what
+`keras_replicator/_src/patches/iterator_teardown.py`); the rows now show what
 remains between them.
 
     python benchmarks/multi_worker_scaling.py [--pairs 5] [--model cifar]
@@ -188,7 +188,7 @@ def _rate(mode, rates):
 
 def run_cluster(mode, model_name, workers, steps, warmup):
     """Starts `workers` processes; returns the cluster's examples/sec."""
-    from keras_replicator._src import launch
+    from keras_replicator._src.cluster import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         ports = launch.free_ports(workers)

@@ -105,7 +105,7 @@ def _worker_rates(workers, rounds):
             [
                 sys.executable,
                 "-m",
-                "keras_replicator._src.cli",
+                "keras_replicator._src.cluster.cli",
                 "launch",
                 "--workers",
                 str(workers),

@@ -11,7 +11,7 @@ Make ordinary Keras code run replicated with one change:
 from keras_replicator import callbacks
 from keras_replicator import data
 from keras_replicator import layers
-from keras_replicator._src.devices import configure_cpu_replicas
+from keras_replicator._src.core.devices import configure_cpu_replicas
 from keras_replicator._src.primitives import all_gather
 from keras_replicator._src.primitives import all_max
 from keras_replicator._src.primitives import all_mean

@@ -15,9 +15,9 @@ from keras.src.backend.common import variables as common_variables
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 import keras_replicator as kr
-from keras_replicator._src import async_data
-from keras_replicator._src import async_training
+from keras_replicator._src.replicators import async_data
 from keras_replicator._src.replicators import async_ps
+from keras_replicator._src.replicators import async_training
 
 
 def _cluster(task="chief", **jobs):
@@ -65,7 +65,9 @@ def test_rejects_bad_variable_partitioner(value, error, text):
 
 
 def test_min_shard_bytes_shards_over_every_ps():
-    config = kr._src.cluster.parse_tf_config(_cluster(chief=1, worker=1, ps=3))
+    config = kr._src.cluster.config.parse_tf_config(
+        _cluster(chief=1, worker=1, ps=3)
+    )
     partitioner = async_ps._partitioner(1024, config)
     # 1,000 rows of 64 float32 = 256 KB: capped at one shard per ps.
     assert partitioner(tf.TensorShape([1000, 64]), tf.float32) == [3, 1]
@@ -153,7 +155,9 @@ def test_remote_value_puts_back_none_leaves():
 
 
 def test_ps_failure_becomes_a_clear_error_naming_the_server():
-    config = kr._src.cluster.parse_tf_config(_cluster(chief=1, worker=1, ps=2))
+    config = kr._src.cluster.config.parse_tf_config(
+        _cluster(chief=1, worker=1, ps=2)
+    )
     error = tf.errors.UnavailableError(
         None,
         None,
@@ -184,7 +188,7 @@ def test_an_error_naming_no_server_is_checked_against_the_servers():
     dead.close()  # nothing listens there now
     try:
         ps = [f"127.0.0.1:{alive.getsockname()[1]}", f"127.0.0.1:{dead_port}"]
-        config = kr._src.cluster.parse_tf_config(
+        config = kr._src.cluster.config.parse_tf_config(
             {
                 "cluster": {
                     "chief": ["127.0.0.1:20000"],
@@ -200,7 +204,7 @@ def test_an_error_naming_no_server_is_checked_against_the_servers():
                 raise error
         assert f"/job:ps/task:1 ({ps[1]})" in str(info.value)
         # With every server answering, the error is the step's own.
-        alive_only = kr._src.cluster.parse_tf_config(
+        alive_only = kr._src.cluster.config.parse_tf_config(
             {
                 "cluster": {
                     "chief": ["127.0.0.1:20000"],

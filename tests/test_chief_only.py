@@ -9,7 +9,7 @@ import pytest
 from keras.src.callbacks import callback_list
 
 import keras_replicator as kr
-from keras_replicator._src.callbacks import chief_only
+from keras_replicator._src.patches import chief_only
 
 
 def test_callback_list_init_signature_is_what_the_hook_wraps():

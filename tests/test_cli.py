@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from keras_replicator._src import cli
+from keras_replicator._src.cluster import cli
 
 
 def _run(*args, timeout=300, env=None):
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     return subprocess.run(
-        [sys.executable, "-m", "keras_replicator._src.cli", *args],
+        [sys.executable, "-m", "keras_replicator._src.cluster.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -5,8 +5,8 @@ import json
 import pytest
 
 import keras_replicator as kr
-from keras_replicator._src import cli
-from keras_replicator._src import cluster
+from keras_replicator._src.cluster import cli
+from keras_replicator._src.cluster import config as cluster
 from keras_replicator._src.replicators import auto
 
 GOOD = {

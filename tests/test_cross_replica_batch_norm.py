@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator._src import cross_replica_batch_norm as crbn
-from keras_replicator._src import nested_collectives
+from keras_replicator._src.layers import cross_replica_batch_norm as crbn
+from keras_replicator._src.patches import nested_collectives
 from tests.conftest import assert_weights_close
 
 CHANNELS = 3

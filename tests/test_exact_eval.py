@@ -11,7 +11,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import compile_utils
 
 import keras_replicator as kr
-from keras_replicator._src import exact_eval
+from keras_replicator._src.patches import exact_eval
 
 # sha256 of the Keras 3.15 code that exact_eval mirrors. When a Keras upgrade
 # changes it, re-read exact_eval against the new code, then update these.

@@ -14,7 +14,7 @@ import tensorflow as tf
 from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
 
 import keras_replicator as kr
-from keras_replicator._src import iterator_teardown
+from keras_replicator._src.patches import iterator_teardown
 
 
 def _dataset():

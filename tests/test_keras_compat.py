@@ -5,7 +5,7 @@ import inspect
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer
 
-from keras_replicator._src import keras_compat
+from keras_replicator._src.patches import keras_compat
 
 
 def test_keras_trainer_still_makes_the_calls_we_answer():

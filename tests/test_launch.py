@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from keras_replicator._src import cli
-from keras_replicator._src import launch
+from keras_replicator._src.cluster import cli
+from keras_replicator._src.cluster import launch
 
 SHOW_CONFIG = (
     "import json, os; c = json.loads(os.environ['TF_CONFIG']); "
@@ -83,7 +83,7 @@ def test_ctrl_c_ends_every_worker(tmp_path):
         [
             sys.executable,
             "-m",
-            "keras_replicator._src.cli",
+            "keras_replicator._src.cluster.cli",
             "launch",
             "--workers",
             "2",

@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 import keras_replicator as kr
-from keras_replicator._src import per_replica_jit
+from keras_replicator._src.patches import per_replica_jit
 from tests import helpers
 from tests.conftest import assert_weights_close
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator._src import shard_sources
+from keras_replicator._src.data import shard_sources
 
 NUM_FILES = 7
 RECORDS_PER_FILE = 1000

@@ -5,11 +5,11 @@ import subprocess
 import sys
 import time
 
-from keras_replicator._src import discovery
+from keras_replicator._src.cluster import discovery
 
 WATCHDOG = (
     pathlib.Path(__file__).resolve().parents[1]
-    / "keras_replicator/_src/startup_watchdog.py"
+    / "keras_replicator/_src/cluster/startup_watchdog.py"
 )
 
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator._src import optimizer as optimizer_lib
+from keras_replicator._src.training import optimizer as optimizer_lib
 from tests.conftest import assert_weights_close
 
 FEATURES = 5

@@ -13,7 +13,7 @@ import time
 import keras
 import numpy as np
 
-from keras_replicator._src.cross_replica_batch_norm import (
+from keras_replicator._src.layers.cross_replica_batch_norm import (
     CrossReplicaBatchNormalization,
 )
 from keras_replicator._src.replicators.local import LocalReplicator

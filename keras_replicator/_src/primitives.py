@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_replicator._src.types import TensorTree
+from keras_replicator._src.core.types import TensorTree
 
 try:  # Keras 3: true while Keras infers output shapes from symbolic inputs.
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope

@@ -5,8 +5,8 @@ batches; `replicator.distribute(...)` makes a distributed dataset for
 `model.fit` and `model.evaluate`.
 """
 
-from keras_replicator._src.sharding import ShardedInput
-from keras_replicator._src.sharding import shard
+from keras_replicator._src.data.sharding import ShardedInput
+from keras_replicator._src.data.sharding import shard
 
 __all__ = (
     "ShardedInput",

@@ -1,6 +1,6 @@
 """Layers for replicated training: cross-replica batch normalization."""
 
-from keras_replicator._src.cross_replica_batch_norm import (
+from keras_replicator._src.layers.cross_replica_batch_norm import (
     CrossReplicaBatchNormalization,
 )
 

@@ -76,7 +76,7 @@ def run_chief(
     Returns:
         A `ChiefResult`.
     """
-    from keras_replicator._src import cluster as cluster_lib
+    from keras_replicator._src.cluster import config as cluster_lib
     from keras_replicator._src.replicators import async_ps
 
     ports = iter(harness.free_ports(1 + num_workers + num_ps))

@@ -117,7 +117,7 @@ def _to_json(value):
 
 def free_ports(count: int) -> list[int]:
     """Returns `count` distinct free TCP ports on 127.0.0.1."""
-    from keras_replicator._src import launch
+    from keras_replicator._src.cluster import launch
 
     return launch.free_ports(count)
 
@@ -130,7 +130,7 @@ def worker_env(
     env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of worker `index`: TF_CONFIG and device settings."""
-    from keras_replicator._src import launch
+    from keras_replicator._src.cluster import launch
 
     out = launch.worker_environ(
         ports, index, replicas_per_worker=replicas_per_worker
@@ -321,7 +321,7 @@ def run_launcher(
     if script_path.exists():
         command = [str(script_path)]
     else:
-        command = [sys.executable, "-m", "keras_replicator._src.cli"]
+        command = [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
     command += [
         "launch",
         "--workers",

@@ -233,7 +233,8 @@ def test_launch_with_ps_runs_the_command_on_the_chief():
     command = [
         sys.executable,
         "-c",
-        "from keras_replicator._src import cli; raise SystemExit(cli.main())",
+        "from keras_replicator._src.cluster import cli; "
+        "raise SystemExit(cli.main())",
         "launch",
         "--workers",
         "2",

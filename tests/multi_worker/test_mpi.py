@@ -99,7 +99,9 @@ def test_the_mpi_script_contains_no_cluster_code():
 @pytest.mark.multi_worker
 @pytest.mark.timeout(200)
 def test_env_under_mpiexec_shows_the_mpi_cluster():
-    result = _mpiexec("-m", "keras_replicator._src.cli", "env", timeout=150)
+    result = _mpiexec(
+        "-m", "keras_replicator._src.cluster.cli", "env", timeout=150
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"launcher: mpi: rank {rank} of 2" in result.stdout

@@ -28,7 +28,7 @@ import warnings
 
 import keras
 
-from keras_replicator._src import cross_replica_batch_norm as crbn
+from keras_replicator._src.layers import cross_replica_batch_norm as crbn
 
 # The Keras source line this module relies on (keras/src/layers/
 # normalization/batch_normalization.py, BatchNormalization.call).

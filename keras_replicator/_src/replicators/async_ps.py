@@ -24,10 +24,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_replicator._src import cluster as cluster_lib
-from keras_replicator._src import replicate as replicate_lib
-from keras_replicator._src import startup_watchdog
+from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import startup_watchdog
 from keras_replicator._src.replicators import base
+from keras_replicator._src.training import replicate as replicate_lib
 
 # What a worker or ps process runs: a bare TensorFlow server for TF_CONFIG.
 SERVE_COMMAND = (
@@ -115,7 +115,7 @@ class AsyncReplicator(
         # Creating the coordinator starts one thread per worker that pulls
         # scheduled steps off a shared queue.
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
-        from keras_replicator._src import async_training
+        from keras_replicator._src.replicators import async_training
 
         async_training.install()
 

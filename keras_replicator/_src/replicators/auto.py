@@ -7,8 +7,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_replicator._src import cluster as cluster_lib
-from keras_replicator._src import devices as devices_lib
+from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.core import devices as devices_lib
 
 
 @dataclasses.dataclass(frozen=True)

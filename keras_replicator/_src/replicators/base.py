@@ -12,10 +12,10 @@ import threading
 
 import tensorflow as tf
 
-from keras_replicator._src import iterator_teardown
-from keras_replicator._src import nested_collectives
-from keras_replicator._src import per_replica_jit
-from keras_replicator._src import validation
+from keras_replicator._src.core import validation
+from keras_replicator._src.patches import iterator_teardown
+from keras_replicator._src.patches import nested_collectives
+from keras_replicator._src.patches import per_replica_jit
 
 # Group keys of collective ops are process-global in TensorFlow's runtime, but
 # each tf.distribute strategy numbers its groups from 1. Two strategies in one
@@ -127,7 +127,7 @@ class ReplicatorMixin:
             A distributed dataset for `model.fit`, `model.evaluate` and
             custom loops; in eval mode every example counts exactly once.
         """
-        from keras_replicator._src import sharding
+        from keras_replicator._src.data import sharding
 
         return sharding.distribute(
             self, dataset_or_input_fn, global_batch_size, **options
@@ -174,7 +174,7 @@ class ReplicatorMixin:
                 `input_fn` does not return a `tf.data.Dataset`.
             ValueError: If `reduce` or `steps_per_call` is not supported.
         """
-        from keras_replicator._src import replicate as replicate_lib
+        from keras_replicator._src.training import replicate as replicate_lib
 
         return replicate_lib.replicate(
             self, step_fn, input_fn, reduce, steps_per_call
@@ -210,7 +210,7 @@ class ReplicatorMixin:
             ValueError: If an option is out of range, or `optimizer` was
                 created outside `replicator.scope()`.
         """
-        from keras_replicator._src import optimizer as optimizer_lib
+        from keras_replicator._src.training import optimizer as optimizer_lib
 
         return optimizer_lib.wrap_optimizer(
             self, optimizer, accumulation_steps, compression, **options

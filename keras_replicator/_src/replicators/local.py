@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from keras_replicator._src import devices as devices_lib
-from keras_replicator._src import iterator_teardown
-from keras_replicator._src import keras_compat
-from keras_replicator._src import validation
+from keras_replicator._src.core import devices as devices_lib
+from keras_replicator._src.core import validation
+from keras_replicator._src.patches import iterator_teardown
+from keras_replicator._src.patches import keras_compat
 from keras_replicator._src.replicators import base
 
 

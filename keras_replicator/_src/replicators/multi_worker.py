@@ -9,17 +9,18 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
-from keras_replicator._src import cluster as cluster_lib
-from keras_replicator._src import devices as devices_lib
-from keras_replicator._src import iterator_teardown
-from keras_replicator._src import keras_compat
-from keras_replicator._src import startup_watchdog
-from keras_replicator._src import validation
-from keras_replicator._src.callbacks import chief_only
+from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import startup_watchdog
+from keras_replicator._src.core import devices as devices_lib
+from keras_replicator._src.core import env
+from keras_replicator._src.core import validation
+from keras_replicator._src.patches import chief_only
+from keras_replicator._src.patches import iterator_teardown
+from keras_replicator._src.patches import keras_compat
 from keras_replicator._src.replicators import base
 
 _Extended = cars.CollectiveAllReduceExtended
-_CPU_REPLICAS_ENV = "KERAS_REPLICATOR_CPU_REPLICAS"
+_CPU_REPLICAS_ENV = env.CPU_REPLICAS
 
 
 class MultiWorkerReplicator(

@@ -6,7 +6,7 @@ end it within its timeout with an error naming the lost rank and address.
 
 import sys
 
-from keras_replicator._src import discovery
+from keras_replicator._src.cluster import discovery
 
 found = discovery.detect()
 if found.rank == 1:

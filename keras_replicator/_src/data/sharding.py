@@ -25,9 +25,9 @@ from typing import Union
 
 import tensorflow as tf
 
-from keras_replicator._src import exact_eval
-from keras_replicator._src import shard_sources
-from keras_replicator._src import validation
+from keras_replicator._src.core import validation
+from keras_replicator._src.data import shard_sources
+from keras_replicator._src.patches import exact_eval
 
 _MODES = ("train", "eval")
 DEFAULT_SHUFFLE_BUFFER_SIZE = 10_000

@@ -25,13 +25,15 @@ import re
 import socket
 from collections.abc import Mapping
 
+from keras_replicator._src.core import env as env_names
+
 # Each Slurm task listens on PORT_BASE + (job id % 1000) * 32 + local id, so
 # two jobs sharing a node rarely collide; KERAS_REPLICATOR_PORT overrides the
 # base. 32 ports per job allows 32 tasks per node.
 SLURM_PORT_BASE = 20000
 SLURM_PORTS_PER_JOB = 32
-PORT_ENV = "KERAS_REPLICATOR_PORT"
-HOST_ENV = "KERAS_REPLICATOR_HOST"
+PORT_ENV = env_names.PORT
+HOST_ENV = env_names.HOST
 
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 _MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")

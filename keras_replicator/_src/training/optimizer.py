@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
-from keras_replicator._src import validation
+from keras_replicator._src.core import validation
 
 COMPRESSIONS = {None: None, "bf16": tf.bfloat16, "fp16": tf.float16}
 # Gradients are packed into all-reduces of about this size: large enough that

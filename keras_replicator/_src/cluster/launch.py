@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TextIO
 
-from keras_replicator._src import cluster as cluster_lib
+from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.core import env
 
 LOOPBACK = "127.0.0.1"
-CPU_REPLICAS_ENV = "KERAS_REPLICATOR_CPU_REPLICAS"
+CPU_REPLICAS_ENV = env.CPU_REPLICAS
 # Seconds between SIGTERM and SIGKILL when ending workers.
 _GRACE_SECONDS = 5.0
 # A worker's output that means another process took its port between our

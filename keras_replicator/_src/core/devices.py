@@ -12,14 +12,15 @@ import os
 
 import tensorflow as tf
 
-from keras_replicator._src import validation
+from keras_replicator._src.core import env
+from keras_replicator._src.core import validation
 
 # Replicators split the CPU into at least this many logical devices the first
 # time, so that a notebook can later ask for more replicas (up to this number)
 # without a kernel restart. Logical CPU devices share one thread pool, so the
 # spare ones cost nothing.
 MIN_LOGICAL_CPUS = 8
-_CPU_REPLICAS_ENV = "KERAS_REPLICATOR_CPU_REPLICAS"
+_CPU_REPLICAS_ENV = env.CPU_REPLICAS
 
 _TOO_LATE = (
     "TensorFlow has already initialised its devices with {have} logical "

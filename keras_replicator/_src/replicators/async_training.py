@@ -171,7 +171,7 @@ def fit(
                 f"`{name}` is not supported under AsyncReplicator; put it in "
                 f"the dataset instead. Received: {name}={value!r}"
             )
-    from keras_replicator._src import async_data
+    from keras_replicator._src.replicators import async_data
 
     source = async_data.Source(x, y, batch_size, shuffle=shuffle)
     _build(model, replicator, source)
@@ -243,7 +243,7 @@ def evaluate(
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
-    from keras_replicator._src import async_data
+    from keras_replicator._src.replicators import async_data
 
     source = async_data.Source(
         x, y, batch_size, sample_weight=sample_weight, shuffle=False
@@ -301,7 +301,7 @@ def predict(
     Returns:
         NumPy outputs, one row per example of `x`, in order.
     """
-    from keras_replicator._src import async_data
+    from keras_replicator._src.replicators import async_data
 
     source = async_data.Source(x, None, batch_size, shuffle=False)
     _build(model, replicator, source)

@@ -15,8 +15,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_replicator._src import validation
-from keras_replicator._src.types import TensorTree
+from keras_replicator._src.core import validation
+from keras_replicator._src.core.types import TensorTree
 
 REDUCTIONS = ("mean", "sum", None)
 

@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
-from keras_replicator._src import discovery
+from keras_replicator._src.cluster import discovery
+from keras_replicator._src.core import env
 
-TF_CONFIG = "TF_CONFIG"
+TF_CONFIG = env.TF_CONFIG
 # Jobs of a synchronous cluster; "ps" belongs to the parameter-server backend.
 JOB_TYPES = ("chief", "worker", "ps", "evaluator")
 _CLUSTER_HELP = (

@@ -22,7 +22,7 @@ def _positive_int(text: str) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from keras_replicator._src import demo
-    from keras_replicator._src import devices
+    from keras_replicator._src.core import devices
 
     # Split the CPU before anything initialises TensorFlow's devices.
     if not devices.local_gpus():
@@ -36,7 +36,7 @@ def _env(args: argparse.Namespace) -> int:
     import keras
     import tensorflow as tf
 
-    from keras_replicator._src import discovery
+    from keras_replicator._src.cluster import discovery
     from keras_replicator._src.replicators import auto
 
     choice = auto.choose()
@@ -52,7 +52,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from keras_replicator._src import launch
+    from keras_replicator._src.cluster import launch
 
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -70,7 +70,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _tf_config(args: argparse.Namespace) -> int:
-    from keras_replicator._src import cluster
+    from keras_replicator._src.cluster import config as cluster
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     try:

@@ -1,0 +1,220 @@
+"""The one registry of every Keras/TensorFlow attribute this package replaces.
+
+A `Patch` declares, in one place:
+
+- `targets`: the attributes it replaces, as `Target(owner, name, function)`.
+  `function(original, *args, **kwargs)` is the replacement; it receives the
+  object it replaced (taken when the patch is installed, never at import) as
+  its first argument, so it can fall back to stock behaviour;
+- `applies_to`: the replicator kinds (`core.traits.KINDS`) that need it.
+  Replicators install the patches of their kind when they are created;
+  nothing else installs patches;
+- `pins`: the upstream source lines the replacement mirrors or relies on,
+  `Pin(module, lines)`. `tests/test_patches.py` fails for every pin whose
+  lines a Keras or TensorFlow upgrade changed;
+- `delete_when`: the upstream fix (issue) after which it can go.
+
+Each attribute has exactly one owner: registering a second patch for the
+same attribute raises. Two behaviours on one method are composed inside
+the owning patch, explicitly (see `trainer_loops`).
+
+Replacements dispatch on the strategy (`core.traits`): a model under no
+strategy, or under a stock `tf.distribute` strategy, runs the original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from collections.abc import Iterable
+from typing import Any
+
+from keras_replicator._src.core import traits
+
+_MISSING = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One attribute a patch replaces.
+
+    Attributes:
+        owner: The class or module whose attribute is replaced.
+        name: The attribute's name.
+        function: `function(original, *args, **kwargs)`, the replacement.
+    """
+
+    owner: Any
+    name: str
+    function: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """Upstream source lines a patch relies on, all in one module.
+
+    Attributes:
+        module: The dotted name of the upstream module.
+        lines: Lines (stripped) that must appear in its source.
+    """
+
+    module: str
+    lines: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """A process-wide replacement of Keras/TensorFlow attributes.
+
+    Attributes:
+        name: A unique name (the patch module's name).
+        targets: The attributes it replaces.
+        applies_to: The replicator kinds that install it.
+        pins: Upstream source lines it mirrors or relies on.
+        delete_when: The upstream fix after which it can be deleted.
+    """
+
+    name: str
+    targets: tuple[Target, ...]
+    applies_to: frozenset[str]
+    pins: tuple[Pin, ...]
+    delete_when: str
+
+    def __post_init__(self):
+        unknown = set(self.applies_to) - set(traits.KINDS)
+        if unknown:
+            raise ValueError(
+                f"`applies_to` must name replicator kinds {traits.KINDS}. "
+                f"Received: applies_to={sorted(self.applies_to)}"
+            )
+
+
+_lock = threading.RLock()
+_patches: dict[str, Patch] = {}
+_owners: dict[tuple[int, str], str] = {}
+# Patch name -> [(target, the owner's own entry or _MISSING, the object the
+# attribute resolved to)], while installed.
+_installed: dict[str, list[tuple[Target, Any, Any]]] = {}
+
+
+def register(patch: Patch) -> Patch:
+    """Adds `patch` to the registry; returns it.
+
+    Raises:
+        ValueError: If its name is taken, or another patch already owns
+            one of its attributes.
+    """
+    with _lock:
+        if patch.name in _patches:
+            raise ValueError(
+                f"A patch named {patch.name!r} is already registered. "
+                f"Received: patch={patch.name!r}"
+            )
+        for target in patch.targets:
+            key = (id(target.owner), target.name)
+            if key in _owners:
+                raise ValueError(
+                    f"`{_qualname(target)}` is already replaced by patch "
+                    f"{_owners[key]!r}; one patch owns each attribute, "
+                    "compose behaviours inside it. Received: "
+                    f"patch={patch.name!r}"
+                )
+        for target in patch.targets:
+            _owners[(id(target.owner), target.name)] = patch.name
+        _patches[patch.name] = patch
+    return patch
+
+
+def patches() -> tuple[Patch, ...]:
+    """Every registered patch, in registration order."""
+    return tuple(_patches.values())
+
+
+def for_kind(kind: str) -> tuple[str, ...]:
+    """The names of the patches that replicators of `kind` install."""
+    return tuple(p.name for p in _patches.values() if kind in p.applies_to)
+
+
+def install(names: Iterable[str]) -> None:
+    """Installs the named patches (each idempotent).
+
+    The originals are taken now, from the owners' own `__dict__`, so that
+    `uninstall` puts back exactly what was there (or removes an attribute
+    that was only inherited).
+
+    Raises:
+        KeyError: If a name is not registered.
+    """
+    with _lock:
+        for name in names:
+            patch = _patches[name]
+            if name in _installed:
+                continue
+            saved = []
+            for target in patch.targets:
+                here = vars(target.owner).get(target.name, _MISSING)
+                original = getattr(target.owner, target.name)
+                setattr(
+                    target.owner,
+                    target.name,
+                    _bind(target.function, original),
+                )
+                saved.append((target, here, original))
+            _installed[name] = saved
+
+
+def uninstall(names: Iterable[str]) -> None:
+    """Restores the originals of the named patches (each idempotent)."""
+    with _lock:
+        for name in names:
+            for target, here, _ in reversed(_installed.pop(name, [])):
+                if here is _MISSING:
+                    delattr(target.owner, target.name)
+                else:
+                    setattr(target.owner, target.name, here)
+
+
+def uninstall_all() -> None:
+    """Restores every original (for tests and clean shutdown)."""
+    with _lock:
+        uninstall(list(reversed(list(_installed))))
+
+
+def installed(name: str | None = None) -> bool | tuple[str, ...]:
+    """Whether patch `name` is installed; with no name, the installed ones."""
+    with _lock:
+        if name is None:
+            return tuple(_installed)
+        return name in _installed
+
+
+def original(owner: Any, name: str) -> Any:
+    """What `owner.name` resolves to with its patch uninstalled.
+
+    For a patch's helpers that must call the stock code although they are
+    not the replacement itself (which gets it as an argument).
+    """
+    with _lock:
+        for saved in _installed.values():
+            for target, _, resolved in saved:
+                if target.owner is owner and target.name == name:
+                    return resolved
+    return getattr(owner, name)
+
+
+def _bind(function, original):
+    @functools.wraps(original)
+    def replacement(*args, **kwargs):
+        return function(original, *args, **kwargs)
+
+    replacement.__keras_replicator_patch__ = True
+    return replacement
+
+
+def _qualname(target: Target) -> str:
+    owner = getattr(target.owner, "__qualname__", None) or getattr(
+        target.owner, "__name__", repr(target.owner)
+    )
+    return f"{owner}.{target.name}"
