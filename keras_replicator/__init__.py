@@ -11,6 +11,7 @@ Make ordinary Keras code run replicated with one change:
 from keras_replicator import callbacks
 from keras_replicator import data
 from keras_replicator import layers
+from keras_replicator._src.cluster.config import ClusterConfig
 from keras_replicator._src.core.devices import configure_cpu_replicas
 from keras_replicator._src.primitives import all_gather
 from keras_replicator._src.primitives import all_max
@@ -21,18 +22,23 @@ from keras_replicator._src.primitives import all_sum
 from keras_replicator._src.primitives import broadcast
 from keras_replicator._src.primitives import num_replicas
 from keras_replicator._src.primitives import replica_id
+from keras_replicator._src.replicators.async_errors import ParameterServerError
 from keras_replicator._src.replicators.async_ps import AsyncReplicator
 from keras_replicator._src.replicators.auto import auto
 from keras_replicator._src.replicators.local import LocalReplicator
 from keras_replicator._src.replicators.multi_worker import MultiWorkerReplicator
 from keras_replicator._src.replicators.tpu import TpuReplicator
+from keras_replicator._src.training.optimizer import ReplicatedOptimizer
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     "AsyncReplicator",
+    "ClusterConfig",
     "LocalReplicator",
     "MultiWorkerReplicator",
+    "ParameterServerError",
+    "ReplicatedOptimizer",
     "TpuReplicator",
     "all_gather",
     "all_max",

@@ -39,3 +39,14 @@ def assert_weights_close(actual, expected, atol=1e-5):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def restore_patches():
+    """Puts back whichever patches were installed before the test."""
+    from keras_replicator._src.patches import registry
+
+    before = registry.installed()
+    yield registry
+    registry.uninstall_all()
+    registry.install(before)

@@ -11,11 +11,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras.src.backend.common import variables as common_variables
+from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 import keras_replicator as kr
+from keras_replicator._src import patches
+from keras_replicator._src.patches import registry
 from keras_replicator._src.replicators import async_data
+from keras_replicator._src.replicators import async_errors
 from keras_replicator._src.replicators import async_ps
 from keras_replicator._src.replicators import async_training
 
@@ -165,15 +168,15 @@ def test_ps_failure_becomes_a_clear_error_naming_the_server():
         "Additional GRPC error information from remote target "
         "/job:ps/replica:0/task:1/device:CPU:0 while calling ...",
     )
-    with pytest.raises(async_ps.ParameterServerError) as info:
-        with async_ps.clear_ps_errors(config):
+    with pytest.raises(async_errors.ParameterServerError) as info:
+        with async_errors.clear_ps_errors(config):
             raise error
     assert "/job:ps/task:1 (127.0.0.1:20003)" in str(info.value)
     assert "failed to connect to all addresses" in str(info.value)
     # A worker failure, or any other error, passes through unchanged.
     other = tf.errors.InvalidArgumentError(None, None, "bad shape")
     with pytest.raises(tf.errors.InvalidArgumentError):
-        with async_ps.clear_ps_errors(config):
+        with async_errors.clear_ps_errors(config):
             raise other
 
 
@@ -199,8 +202,8 @@ def test_an_error_naming_no_server_is_checked_against_the_servers():
             }
         )
         error = tf.errors.OutOfRangeError(None, None, "End of sequence")
-        with pytest.raises(async_ps.ParameterServerError) as info:
-            with async_ps.clear_ps_errors(config):
+        with pytest.raises(async_errors.ParameterServerError) as info:
+            with async_errors.clear_ps_errors(config):
                 raise error
         assert f"/job:ps/task:1 ({ps[1]})" in str(info.value)
         # With every server answering, the error is the step's own.
@@ -215,19 +218,16 @@ def test_an_error_naming_no_server_is_checked_against_the_servers():
             }
         )
         with pytest.raises(tf.errors.OutOfRangeError):
-            with async_ps.clear_ps_errors(alive_only):
+            with async_errors.clear_ps_errors(alive_only):
                 raise error
     finally:
         alive.close()
 
 
 @pytest.fixture
-def patched():
-    was_installed = async_training.installed()
-    async_training.install()
-    yield
-    if not was_installed:
-        async_training.uninstall()
+def patched(restore_patches):
+    patches.install_for("async")
+    return restore_patches
 
 
 def test_patch_leaves_other_strategies_on_stock_keras(patched):
@@ -246,34 +246,31 @@ def test_patch_leaves_other_strategies_on_stock_keras(patched):
 
 
 def test_uninstall_restores_stock_keras(patched):
-    assert async_training.installed()
-    async_training.uninstall()
+    registry = patched
     trainer = tf_trainer.TensorFlowTrainer
-    assert not async_training.installed()
-    assert trainer.fit is async_training._stock["fit"]
-    assert trainer.evaluate is async_training._stock["evaluate"]
-    assert trainer.predict is async_training._stock["predict"]
-    assert "assign_add" not in vars(async_training._Variable)
-    async_training.install()
-    assert async_training.installed()
+    stock = {
+        name: registry.original(trainer, name)
+        for name in ("fit", "evaluate", "predict")
+    }
+    assert registry.installed("trainer_loops")
+    assert registry.installed("atomic_assign")
+    assert "assign_add" in vars(tf_core.Variable)
+    registry.uninstall(["trainer_loops", "atomic_assign"])
+    for name, method in stock.items():
+        assert getattr(trainer, name) is method
+    assert "assign_add" not in vars(tf_core.Variable)
 
 
-def test_keras_code_the_patches_replace_is_unchanged():
-    # If a Keras upgrade changes any of this, revisit async_training: the
-    # patch may be unneeded (atomic updates) or miss a new fit argument.
-    source = inspect.getsource(common_variables.Variable.assign_add)
-    assert "self.assign(self + value)" in source
-    stock_fit = inspect.signature(async_training._stock["fit"])
-    ours = inspect.signature(async_training.fit)
-    assert set(stock_fit.parameters) - {"self"} <= set(ours.parameters)
-    stock_eval = inspect.signature(async_training._stock["evaluate"])
-    assert set(stock_eval.parameters) - {"self"} <= set(
-        inspect.signature(async_training.evaluate).parameters
-    )
-    stock_predict = inspect.signature(async_training._stock["predict"])
-    assert set(stock_predict.parameters) - {"self"} <= set(
-        inspect.signature(async_training.predict).parameters
-    )
+def test_async_loops_take_every_argument_of_keras():
+    # If a Keras upgrade adds an argument to fit/evaluate/predict, the async
+    # loops must learn it (trainer_loops binds Keras' signature).
+    trainer = tf_trainer.TensorFlowTrainer
+    for name in ("fit", "evaluate", "predict"):
+        stock = inspect.signature(registry.original(trainer, name))
+        ours = inspect.signature(getattr(async_training, name))
+        assert set(stock.parameters) - {"self", "kwargs"} <= set(
+            ours.parameters
+        ), name
 
 
 def _compiled_model():

@@ -10,6 +10,7 @@ from keras.src.callbacks import callback_list
 
 import keras_replicator as kr
 from keras_replicator._src.patches import chief_only
+from keras_replicator._src.patches import registry
 
 
 def test_callback_list_init_signature_is_what_the_hook_wraps():
@@ -54,17 +55,15 @@ def test_redirect_moves_paths_and_cleanup_restores_them(tmp_path):
     assert not os.path.exists(tmp)
 
 
-def test_install_is_reversible():
-    was = chief_only.installed()
-    chief_only.uninstall()
+def test_install_is_reversible(restore_patches):
+    registry = restore_patches
+    registry.uninstall_all()
     keras_init = callback_list.CallbackList.__init__
-    chief_only.install()
-    chief_only.install()
+    registry.install(["chief_only"])
+    registry.install(["chief_only"])
     assert callback_list.CallbackList.__init__ is not keras_init
-    chief_only.uninstall()
+    registry.uninstall(["chief_only"])
     assert callback_list.CallbackList.__init__ is keras_init
-    if was:
-        chief_only.install()
 
 
 class _NonChief(kr.LocalReplicator):
@@ -94,7 +93,7 @@ class _NestedPredict(keras.callbacks.Callback):
 
 @pytest.fixture
 def non_chief_model():
-    chief_only.install()
+    registry.install(["chief_only"])
     with _NonChief(num_replicas=1).scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")

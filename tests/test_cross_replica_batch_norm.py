@@ -7,7 +7,6 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src.layers import cross_replica_batch_norm as crbn
-from keras_replicator._src.patches import nested_collectives
 from tests.conftest import assert_weights_close
 
 CHANNELS = 3
@@ -250,16 +249,13 @@ def test_fit_uneven_last_batch_gives_exact_moving_statistics(replicator):
     assert_weights_close(model.get_weights(), reference.get_weights())
 
 
-def test_fit_steps_per_execution_needs_cond_fix(replicator):
+def test_fit_steps_per_execution_needs_cond_fix(replicator, restore_patches):
     # Documents the TensorFlow bug nested_collectives works around: without
     # it, any collective in a step fails under steps_per_execution > 1. When
     # this test fails, TensorFlow fixed it: remove nested_collectives.
     x = _global_batch((16,))
-    nested_collectives.uninstall()
-    try:
-        with pytest.raises(
-            tf.errors.InvalidArgumentError, match="must feed a value"
-        ):
-            _fit_model(replicator, x, x[:, :1], steps_per_execution=2)
-    finally:
-        nested_collectives.install()
+    restore_patches.uninstall(["nested_collectives"])
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="must feed a value"
+    ):
+        _fit_model(replicator, x, x[:, :1], steps_per_execution=2)

@@ -1,40 +1,13 @@
 """The exact-evaluation test step: scoped, reversible, pinned to Keras."""
 
-import hashlib
-import inspect
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
-from keras.src.trainers import compile_utils
 
 import keras_replicator as kr
-from keras_replicator._src.patches import exact_eval
-
-# sha256 of the Keras 3.15 code that exact_eval mirrors. When a Keras upgrade
-# changes it, re-read exact_eval against the new code, then update these.
-STOCK_TEST_STEP = (
-    "a8f04a25512e74e247e95fbfb6b8a0900d9f5028d36f06bf44b20ae028bfa87c"
-)
-
-
-def _sha(fn):
-    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
-
-
-def test_patched_keras_code_is_unchanged():
-    assert _sha(exact_eval._stock_test_step) == STOCK_TEST_STEP, (
-        "Keras' TensorFlowTrainer.test_step changed: re-check exact_eval."
-    )
-    source = inspect.getsource(compile_utils.CompileMetrics.update_state)
-    # exact_eval re-implements this loop with a mask for unweighted metrics.
-    assert "for m, y_t, y_p in zip(self._flat_metrics, y_true, y_pred):" in (
-        source
-    )
-    assert "m.update_state(y_t, y_p)\n" in source
-
+from keras_replicator._src.core import markers
 
 X = np.arange(12, dtype="float32").reshape(6, 2)
 Y = np.array([0, 1, 0, 1, 1, 0], dtype="int32")
@@ -61,17 +34,13 @@ def _user_weighted_eval(strategy):
 
 
 def test_users_zero_weights_keep_stock_keras_semantics():
-    exact_eval.install()
-    try:
-        # Same numbers under a replicator as on one device: only data the
-        # sharder padded takes the exact path.
-        np.testing.assert_allclose(
-            _user_weighted_eval(kr.LocalReplicator(2)),
-            _user_weighted_eval(tf.distribute.get_strategy()),
-            rtol=1e-6,
-        )
-    finally:
-        exact_eval.uninstall()
+    # Same numbers under a replicator (which installs the exact step) as on
+    # one device: only data the sharder padded takes the exact path.
+    np.testing.assert_allclose(
+        _user_weighted_eval(kr.LocalReplicator(2)),
+        _user_weighted_eval(tf.distribute.get_strategy()),
+        rtol=1e-6,
+    )
 
 
 def test_sharder_padding_counts_for_nothing():
@@ -81,7 +50,7 @@ def test_sharder_padding_counts_for_nothing():
     examples = tf.data.Dataset.from_tensor_slices((X, Y))
     # 6 examples, global batch 4, static shapes: the last batch is padded.
     dist = replicator.distribute(examples, 4, mode="eval", static_shapes=True)
-    assert getattr(dist, exact_eval.PADDED_ATTR)
+    assert getattr(dist, markers.PADDED_ATTR)
     _, accuracy = model.evaluate(dist, verbose=0)
     assert accuracy == pytest.approx(expected, abs=1e-6)
     # The same through the user's own distribute_datasets_from_function.
@@ -91,9 +60,14 @@ def test_sharder_padding_counts_for_nothing():
     assert accuracy == pytest.approx(expected, abs=1e-6)
 
 
-def test_install_and_uninstall_swap_keras_methods():
-    exact_eval.install()
-    assert tf_trainer.TensorFlowTrainer.test_step is exact_eval._exact_test_step
-    exact_eval.uninstall()
-    assert tf_trainer.TensorFlowTrainer.test_step is exact_eval._stock_test_step
-    assert tf_trainer.TensorFlowTrainer.evaluate is exact_eval._stock_evaluate
+def test_install_and_uninstall_swap_keras_methods(restore_patches):
+    registry = restore_patches
+    registry.uninstall_all()
+    stock_step = tf_trainer.TensorFlowTrainer.test_step
+    stock_evaluate = tf_trainer.TensorFlowTrainer.evaluate
+    kr.LocalReplicator(2)
+    assert registry.installed("exact_eval")
+    assert tf_trainer.TensorFlowTrainer.test_step.__wrapped__ is stock_step
+    registry.uninstall_all()
+    assert tf_trainer.TensorFlowTrainer.test_step is stock_step
+    assert tf_trainer.TensorFlowTrainer.evaluate is stock_evaluate

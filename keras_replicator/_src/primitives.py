@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_replicator._src import collectives
 from keras_replicator._src.core.types import TensorTree
 
 try:  # Keras 3: true while Keras infers output shapes from symbolic inputs.
@@ -72,7 +73,9 @@ def all_reduce(value: TensorTree, op: str = "sum") -> TensorTree:
         return _symbolic(value)
     if op in ("sum", "mean"):
         flat = [_local(v) for v in tf.nest.flatten(value)]
-        return tf.nest.pack_sequence_as(value, _by_dtype(ctx, op, flat))
+        return tf.nest.pack_sequence_as(
+            value, collectives.all_reduce(ctx, op, flat)
+        )
     reduce_fn = tf.reduce_max if op == "max" else tf.reduce_min
     flat = [_local(v) for v in tf.nest.flatten(value)]
     # Stack each replica's value on a new axis 0, then reduce over it.
@@ -220,7 +223,7 @@ def broadcast(value: TensorTree, source_replica: int = 0) -> TensorTree:
         tf.where(is_source, _summable(v), tf.zeros_like(_summable(v)))
         for v in flat
     ]
-    summed = _by_dtype(ctx, "sum", masked)
+    summed = collectives.all_reduce(ctx, "sum", masked)
     out = [tf.cast(s, v.dtype) for s, v in zip(summed, flat, strict=True)]
     return tf.nest.pack_sequence_as(value, out)
 
@@ -276,25 +279,6 @@ def _replica_context(name: str) -> tf.distribute.ReplicaContext | None:
 def _reduce_as(value: TensorTree, op: str, name: str) -> TensorTree:
     _replica_context(name)  # Fail with this function's name, not all_reduce.
     return all_reduce(value, op)
-
-
-def _by_dtype(ctx, op: str, flat: list[tf.Tensor]) -> list[tf.Tensor]:
-    """All-reduces a flat list, one batched collective per dtype.
-
-    MirroredStrategy reduces int32 on the host and floats on the devices and
-    refuses to batch both in one call, so each dtype goes separately, in
-    sorted order (the same on every replica).
-    """
-    groups: dict[str, list[int]] = {}
-    for i, v in enumerate(flat):
-        groups.setdefault(v.dtype.name, []).append(i)
-    out = list(flat)
-    for dtype in sorted(groups):
-        indices = groups[dtype]
-        reduced = ctx.all_reduce(op.upper(), [flat[i] for i in indices])
-        for i, r in zip(indices, reduced, strict=True):
-            out[i] = r
-    return out
 
 
 def _replica_id(ctx: tf.distribute.ReplicaContext) -> tf.Tensor:

@@ -72,6 +72,11 @@ exact = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
 on_workers = model.evaluate(x_test, y_test, batch_size=BATCH, steps=20,
                             verbose=0, return_dict=True)
 predicted = model.predict(x_test, verbose=0).argmax(-1)
+# A sharder input in eval mode used to put exact evaluation over the async
+# dispatcher (the order patches were installed in decided it): evaluate
+# must still take the async path and give the same numbers.
+kr.data.shard(lambda ctx: tf.data.Dataset.range(4), 2, mode="eval")
+after_shard_eval = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
 
 # Research API: steps dispatched to the workers, values fetched later.
 with replicator.scope():
@@ -107,6 +112,8 @@ harness.write_result({
     "sharded_loss": sharded.history["loss"],
     "sync_accuracy": sync_acc["accuracy"],
     "accuracy": exact["accuracy"],
+    "after_shard_eval": after_shard_eval,
+    "exact_eval": exact,
     "worker_eval_accuracy": on_workers["accuracy"],
     "predict_accuracy": float((predicted == y_test).mean()),
     "iterations": iterations,
@@ -182,6 +189,8 @@ def test_fit_matches_synchronous_accuracy_and_counts_every_step():
     assert r["accuracy"] > 0.93, r
     assert abs(r["accuracy"] - r["sync_accuracy"]) <= 0.03, r
     assert r["predict_accuracy"] == pytest.approx(r["accuracy"], abs=1e-6)
+    # The async path after a sharder eval input: the same exact numbers.
+    assert r["after_shard_eval"] == pytest.approx(r["exact_eval"], abs=1e-6)
     assert r["worker_eval_accuracy"] > 0.9
     assert "Received: steps_per_epoch=None" in r["errors"]["no_steps"]
     # Research API: a RemoteValue per call, resolved on fetch.

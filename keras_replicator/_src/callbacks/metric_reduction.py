@@ -31,7 +31,8 @@ import zlib
 
 import keras
 import numpy as np
-import tensorflow as tf
+
+from keras_replicator._src import collectives
 
 # Callbacks that read `logs`: MetricReduction must come before them.
 LOG_READERS = (
@@ -274,15 +275,6 @@ def _num_workers(strategy):
 
 def _sum_over_workers(strategy, vector):
     """Sums a NumPy vector over workers: one all-reduce, eager."""
-
-    def value_fn(ctx):
-        # One replica per worker (its first; replica ids run worker by
-        # worker) carries the vector; the others add zeros.
-        first = ctx.replica_id_in_sync_group % per_worker == 0
-        return tf.constant(vector if first else np.zeros_like(vector))
-
-    per_worker = strategy.num_replicas_in_sync // _num_workers(strategy)
-
-    values = strategy.experimental_distribute_values_from_function(value_fn)
-    total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
-    return np.asarray(total)
+    return collectives.sum_over_workers(
+        strategy, vector, _num_workers(strategy)
+    )

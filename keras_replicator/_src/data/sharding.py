@@ -25,9 +25,9 @@ from typing import Union
 
 import tensorflow as tf
 
+from keras_replicator._src.core import markers
 from keras_replicator._src.core import validation
 from keras_replicator._src.data import shard_sources
-from keras_replicator._src.patches import exact_eval
 
 _MODES = ("train", "eval")
 DEFAULT_SHUFFLE_BUFFER_SIZE = 10_000
@@ -122,9 +122,6 @@ def shard(
     _check_divisible(global_batch_size, strategy.num_replicas_in_sync)
     if static_shapes is None:
         static_shapes = isinstance(strategy, tf.distribute.TPUStrategy)
-    if mode == "eval":
-        # So that Keras `evaluate` leaves the padding out; see exact_eval.
-        exact_eval.install()
     return ShardedInput(
         dataset_or_input_fn,
         global_batch_size,
@@ -484,6 +481,7 @@ def distribute(
         # warns "Your input ran out of data". Report steps instead.
         distributed._cardinality = input_fn.steps_per_epoch  # noqa: SLF001
     if input_fn.padded_eval:
-        # Keras evaluate leaves this dataset's padding out; see exact_eval.
-        exact_eval.mark_padded(distributed)
+        # Keras evaluate leaves this dataset's padding out; see
+        # patches/exact_eval.py.
+        markers.mark_padded(distributed)
     return distributed

@@ -30,6 +30,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_replicator._src import collectives
+
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
 
 
@@ -89,7 +91,7 @@ def cross_replica_moments(x, reduction_axes, axis, mask=None, shift=None):
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.num_replicas_in_sync > 1:
         # The one collective of this layer and step.
-        packed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, packed)
+        (packed,) = collectives.all_reduce(ctx, "sum", [packed])
     s1, s2, count = tf.split(
         packed, [channels, channels, packed.shape[0] - 2 * channels]
     )

@@ -1,0 +1,34 @@
+"""Every replacement of a Keras/TensorFlow attribute, in one registry.
+
+Importing this package registers every patch (`registry.patches()`);
+replicators install the ones of their kind (`install_for`). See
+`registry.py` for what a patch declares.
+"""
+
+from keras_replicator._src.patches import atomic_assign
+from keras_replicator._src.patches import chief_only
+from keras_replicator._src.patches import exact_eval
+from keras_replicator._src.patches import iterator_teardown
+from keras_replicator._src.patches import keras_compat
+from keras_replicator._src.patches import nested_collectives
+from keras_replicator._src.patches import per_replica_jit
+from keras_replicator._src.patches import registry
+from keras_replicator._src.patches import trainer_loops
+
+__all__ = (
+    "atomic_assign",
+    "chief_only",
+    "exact_eval",
+    "install_for",
+    "iterator_teardown",
+    "keras_compat",
+    "nested_collectives",
+    "per_replica_jit",
+    "registry",
+    "trainer_loops",
+)
+
+
+def install_for(kind: str) -> None:
+    """Installs every patch that replicators of `kind` need (idempotent)."""
+    registry.install(registry.for_kind(kind))

@@ -8,9 +8,9 @@ variables, which under a multi-worker strategy is a collective all workers
 must join. tf-keras solved this by letting non-chief workers write to a
 temporary directory (`distributed_file_utils`); Keras 3 dropped that.
 
-This module brings it back, with no change to user code. When
+This patch brings it back, with no change to user code. When
 `MultiWorkerReplicator` is created it installs a small, reversible hook on
-`keras.callbacks.CallbackList.__init__` (`install`/`uninstall`). The hook
+`keras.callbacks.CallbackList.__init__` (`patches/registry.py`). The hook
 does nothing unless the model's strategy is one of our replicators and this
 process is not the chief; then it
 
@@ -30,8 +30,8 @@ running one (a callback calling `predict` with fit's own callbacks) is not
 mistaken for that: the outer call's frame is still executing. At exit the
 temporary directories go in any case.
 
-`tests/test_chief_only.py` checks the Keras signature and attributes this
-relies on, so a Keras upgrade that changes them fails loudly.
+`PATCH.pins` records the Keras signature and attributes this relies on;
+`tests/test_patches.py` fails when a Keras upgrade changes them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ import weakref
 import keras
 from keras.src.callbacks import callback_list
 
-from keras_replicator._src.replicators import base
+from keras_replicator._src.core import traits
+from keras_replicator._src.patches import registry
 
 # Attributes holding each file-writing callback's output path.
 PATH_ATTRIBUTES = (
@@ -66,8 +67,6 @@ BACKUP_ATTRIBUTES = (
     "_prev_training_metadata_path",
 )
 
-_lock = threading.Lock()
-_original_init = None
 # Cleanups of calls that have not finished them yet. Guarded by its own
 # re-entrant lock: a garbage collection inside a guarded block may run a
 # `CallbackList` finalizer, which finishes a cleanup on the same thread.
@@ -78,59 +77,69 @@ _created = itertools.count()
 _KERAS_CALLERS = ("fit", "evaluate", "predict")
 
 
-def install() -> None:
-    """Installs the CallbackList hook (idempotent)."""
-    global _original_init
-    with _lock:
-        if _original_init is not None:
-            return
-        _original_init = callback_list.CallbackList.__init__
-        callback_list.CallbackList.__init__ = _make_init(_original_init)
-
-
-def uninstall() -> None:
-    """Restores Keras's own `CallbackList.__init__`."""
-    global _original_init
-    with _lock:
-        if _original_init is None:
-            return
-        callback_list.CallbackList.__init__ = _original_init
-        _original_init = None
-
-
-def installed() -> bool:
-    """Whether the hook is installed."""
-    return _original_init is not None
-
-
-def _make_init(original):
-    @functools.wraps(original)
-    def __init__(
+def _init(
+    original,
+    self,
+    callbacks=None,
+    add_history=False,
+    add_progbar=False,
+    model=None,
+    **params,
+):
+    strategy = getattr(model, "distribute_strategy", None)
+    if traits.is_ours(strategy) and not strategy.is_chief:
+        finish_abandoned()
+        callbacks = redirect(callbacks, strategy.worker_index)
+        add_progbar = False
+        # Frame 0 is this function, 1 the registry's wrapper, 2 the caller.
+        callbacks[-1].track(self, sys._getframe(2))
+    original(
         self,
-        callbacks=None,
-        add_history=False,
-        add_progbar=False,
-        model=None,
+        callbacks,
+        add_history=add_history,
+        add_progbar=add_progbar,
+        model=model,
         **params,
-    ):
-        strategy = getattr(model, "distribute_strategy", None)
-        if isinstance(strategy, base.ReplicatorMixin) and not (
-            strategy.is_chief
-        ):
-            finish_abandoned()
-            callbacks = redirect(callbacks, strategy.worker_index)
-            add_progbar = False
-            callbacks[-1].track(self, sys._getframe(1))
-        original(
-            self,
-            callbacks,
-            add_history=add_history,
-            add_progbar=add_progbar,
-            model=model,
-            **params,
-        )
+    )
 
-    return __init__
+
+PATCH = registry.register(
+    registry.Patch(
+        name="chief_only",
+        targets=(
+            registry.Target(callback_list.CallbackList, "__init__", _init),
+        ),
+        applies_to=frozenset({"multi_worker"}),
+        pins=(
+            registry.Pin(
+                "keras.src.callbacks.callback_list",
+                (
+                    "def __init__(",
+                    "callbacks=None,",
+                    "add_history=False,",
+                    "add_progbar=False,",
+                    "model=None,",
+                    "**params,",
+                ),
+            ),
+            # BackupAndRestore derives these paths from `backup_dir`.
+            registry.Pin(
+                "keras.src.callbacks.backup_and_restore",
+                (
+                    "self.backup_dir = backup_dir",
+                    "self._weights_path = file_utils.join(",
+                    "self._training_metadata_path = file_utils.join(",
+                    "self._prev_training_metadata_path = (",
+                ),
+            ),
+        ),
+        delete_when=(
+            "Keras 3 writes files on the chief only under multi-worker "
+            "strategies, as tf-keras' distributed_file_utils did "
+            "(tensorflow/tensorflow#31070)"
+        ),
+    )
+)
 
 
 def redirect(callbacks, worker_index: int) -> list:

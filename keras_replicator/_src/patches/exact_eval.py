@@ -16,6 +16,9 @@ installed here treats an example with sample weight 0 as absent: the loss is
 averaged over real examples only, and unweighted metrics get the 0/1 mask as
 their weight. Any other evaluation, including one with the user's own zero
 weights, runs Keras' stock step unchanged.
+
+This patch owns `test_step`; `evaluate` is owned by `trainer_loops`, which
+calls `prepare` here before the stock evaluate (one owner per attribute).
 """
 
 from __future__ import annotations
@@ -27,52 +30,36 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers import trainer as base_trainer
 
-_stock_test_step = tf_trainer.TensorFlowTrainer.test_step
-_stock_evaluate = tf_trainer.TensorFlowTrainer.evaluate
-# Set on a distributed dataset whose padding carries sample weight 0.
-PADDED_ATTR = "_keras_replicator_padded"
+from keras_replicator._src.core import markers
+from keras_replicator._src.core import traits
+from keras_replicator._src.patches import registry
+
 # Set on a model while it evaluates padded data; read when the test
 # function is traced.
 _EXACT_ATTR = "_keras_replicator_exact_eval"
 
 
-def mark_padded(distributed):
-    """Marks a distributed dataset as padded by the sharder; returns it."""
-    setattr(distributed, PADDED_ATTR, True)
-    return distributed
-
-
-def _is_padded(x) -> bool:
-    if getattr(x, PADDED_ATTR, False):
-        return True
-    # A user's distribute_datasets_from_function(kr.data.shard(...)).
-    input_fn = getattr(x, "_dataset_fn", None)
-    return getattr(input_fn, "padded_eval", False)
-
-
-def _exact_evaluate(self, x=None, *args, **kwargs):
-    exact = _is_padded(x)
-    if getattr(self, _EXACT_ATTR, False) != exact:
-        setattr(self, _EXACT_ATTR, exact)
+def prepare(model, x) -> None:
+    """Before `model.evaluate(x)`: exact steps if the sharder padded `x`."""
+    exact = markers.is_padded(x)
+    if getattr(model, _EXACT_ATTR, False) != exact:
+        setattr(model, _EXACT_ATTR, exact)
         # The test step reads the flag when traced: trace it again.
-        self.test_function = None
-    return _stock_evaluate(self, x, *args, **kwargs)
+        model.test_function = None
 
 
-def _exact_test_step(self, data):
-    from keras_replicator._src.replicators import base
-
+def _exact_test_step(original, self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     compile_metrics = self._compile_metrics
     if (
         not getattr(self, _EXACT_ATTR, False)
-        or not isinstance(self.distribute_strategy, base.ReplicatorMixin)
+        or not traits.is_ours(self.distribute_strategy)
         or sample_weight is None
         or tree.is_nested(sample_weight)
         or type(self).compute_metrics
         is not base_trainer.Trainer.compute_metrics
     ):
-        return _stock_test_step(self, data)
+        return original(self, data)
     if self._call_has_training_arg:
         y_pred = self(x, training=False)
     else:
@@ -126,20 +113,50 @@ def _update_compile_metrics(compile_metrics, y, y_pred, sample_weight, mask):
             metric.update_state(y_t, y_p, sample_weight=sample_weight)
 
 
-def install() -> None:
-    """Installs the exact test step (idempotent).
-
-    It replaces `TensorFlowTrainer.test_step` for every model, but only
-    models whose strategy is one of our replicators take the new path; the
-    others run the stock step unchanged. `uninstall` puts the stock one back.
-    `tests/test_exact_eval.py` fails when a Keras upgrade changes the code
-    this mirrors (the stock `test_step` and `CompileMetrics.update_state`).
-    """
-    tf_trainer.TensorFlowTrainer.test_step = _exact_test_step
-    tf_trainer.TensorFlowTrainer.evaluate = _exact_evaluate
-
-
-def uninstall() -> None:
-    """Restores Keras' stock test step (idempotent)."""
-    tf_trainer.TensorFlowTrainer.test_step = _stock_test_step
-    tf_trainer.TensorFlowTrainer.evaluate = _stock_evaluate
+PATCH = registry.register(
+    registry.Patch(
+        name="exact_eval",
+        targets=(
+            registry.Target(
+                tf_trainer.TensorFlowTrainer, "test_step", _exact_test_step
+            ),
+        ),
+        applies_to=frozenset({"local", "multi_worker", "tpu"}),
+        # The stock test step and `CompileMetrics.update_state`, which
+        # `_exact_test_step` and `_update_compile_metrics` mirror.
+        pins=(
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                (
+                    "def test_step(self, data):",
+                    "x, y, sample_weight = data_adapter_utils.unpack_x_y_"
+                    "sample_weight(data)",
+                    "loss = self._compute_loss(",
+                    "x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, "
+                    "training=False",
+                    "loss_module.unscale_loss_for_distribution(loss),",
+                    "next(i for i in tree.flatten(x) if i is not None)",
+                    "return self.compute_metrics(x, y, y_pred, "
+                    "sample_weight=sample_weight)",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.trainers.compile_utils",
+                (
+                    "y_true = self._flatten_y(y_true)",
+                    "for m, y_t, y_p in zip(self._flat_metrics, y_true, "
+                    "y_pred):",
+                    "m.update_state(y_t, y_p)",
+                    "self._flat_weighted_metrics, y_true, y_pred, "
+                    "sample_weight",
+                    "m.update_state(y_t, y_p, s_w)",
+                ),
+            ),
+        ),
+        delete_when=(
+            "Keras weights the loss tracker by the batch's total sample "
+            "weight and passes sample weights to unweighted metrics when "
+            "they mask padding"
+        ),
+    )
+)

@@ -39,12 +39,12 @@ What we do, for the datasets our in-graph replicators (`LocalReplicator`,
   pipeline's autotuning is off, so is the per-device stage's. This is a
   patch of TensorFlow's `multi_device_iterator_ops`, scoped by the dataset's
   own options (only pipelines with `autotune.enabled=False`), reversible,
-  and pinned by `TF_SOURCE_LINES` (`tests/test_iterator_teardown.py` fails
-  when a TensorFlow upgrade changes them).
+  and pinned by `PATCH.pins` (`tests/test_patches.py` fails when a
+  TensorFlow upgrade changes them).
 
-Measured (benchmarks/RESULTS.md, session 3), 2 workers deleting an iterator
-after 100 steps of about 0.1 s: 18 of 18 deletions took 0.15-0.24 s; before,
-11 of 18 took 7-62 s.
+Measured (benchmarks/RESULTS.md, 2-core VM, TF 2.21), 2 workers deleting
+an iterator after 100 steps of about 0.1 s: 18 of 18 deletions took
+0.15-0.24 s; before, 11 of 18 took 7-62 s.
 """
 
 from __future__ import annotations
@@ -55,18 +55,8 @@ import threading
 import tensorflow as tf
 from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
 
-# Lines of tensorflow/python/data/ops/multi_device_iterator_ops.py this
-# relies on: OwnedMultiDeviceIterator builds each device's stage through the
-# module-level `_create_device_dataset`, inside its `__init__`.
-TF_SOURCE_LINES = (
-    "def _create_device_dataset(prototype_ds, incarnation_id, "
-    "prefetch_buffer_size,",
-    "ds = _create_device_dataset(prototype_device_datasets[i],",
-)
+from keras_replicator._src.patches import registry
 
-_stock_create_device_dataset = mdi._create_device_dataset
-_stock_owned_init = mdi.OwnedMultiDeviceIterator.__init__
-_lock = threading.Lock()
 _building = threading.local()
 # The `tf.data.Options().autotune` fields whose setting is a user's choice.
 _AUTOTUNE_OPTIONS = (
@@ -127,55 +117,51 @@ class _QuietInputFn:
         return getattr(self._dataset_fn, name)
 
 
-class QuickTeardownMixin:
-    """Distributes datasets so that deleting their iterators cannot stall.
-
-    Put it before the `tf.distribute.Strategy` in a replicator's bases.
-    """
-
-    def experimental_distribute_dataset(self, dataset, options=None):
-        return super().experimental_distribute_dataset(
-            without_autotune_thread(dataset), options
-        )
-
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        return super().distribute_datasets_from_function(
-            without_autotune_thread_fn(dataset_fn), options
-        )
-
-
-@functools.wraps(_stock_owned_init)
-def _owned_init(self, dataset=None, *args, **kwargs):
+def _owned_init(original, self, dataset=None, *args, **kwargs):
     quiet = dataset is not None and dataset.options().autotune.enabled is False
     previous = getattr(_building, "quiet", False)
     _building.quiet = quiet
     try:
-        _stock_owned_init(self, dataset, *args, **kwargs)
+        original(self, dataset, *args, **kwargs)
     finally:
         _building.quiet = previous
 
 
-def _create_device_dataset(*args, **kwargs):
-    ds = _stock_create_device_dataset(*args, **kwargs)
+def _create_device_dataset(original, *args, **kwargs):
+    ds = original(*args, **kwargs)
     if getattr(_building, "quiet", False):
         ds = ds.with_options(_no_autotune())
     return ds
 
 
-def install() -> None:
-    """Per-device stages follow their host pipeline's autotune=False."""
-    with _lock:
-        mdi._create_device_dataset = _create_device_dataset
-        mdi.OwnedMultiDeviceIterator.__init__ = _owned_init
-
-
-def uninstall() -> None:
-    """Restores TensorFlow's stock functions (idempotent)."""
-    with _lock:
-        mdi._create_device_dataset = _stock_create_device_dataset
-        mdi.OwnedMultiDeviceIterator.__init__ = _stock_owned_init
-
-
-def installed() -> bool:
-    """Whether `install` is in effect."""
-    return mdi._create_device_dataset is _create_device_dataset
+PATCH = registry.register(
+    registry.Patch(
+        name="iterator_teardown",
+        targets=(
+            registry.Target(
+                mdi, "_create_device_dataset", _create_device_dataset
+            ),
+            registry.Target(
+                mdi.OwnedMultiDeviceIterator, "__init__", _owned_init
+            ),
+        ),
+        applies_to=frozenset({"local", "multi_worker"}),
+        # OwnedMultiDeviceIterator builds each device's stage through the
+        # module-level `_create_device_dataset`, inside its `__init__`.
+        pins=(
+            registry.Pin(
+                "tensorflow.python.data.ops.multi_device_iterator_ops",
+                (
+                    "def _create_device_dataset(prototype_ds, "
+                    "incarnation_id, prefetch_buffer_size,",
+                    "ds = _create_device_dataset(prototype_device_datasets[i],",
+                ),
+            ),
+        ),
+        delete_when=(
+            "tsl::CancellationManager::StartCancelWithStatus marks the "
+            "manager cancelled before it runs the callbacks (the lost "
+            "wake-up of Model::OptimizeLoop described above)"
+        ),
+    )
+)

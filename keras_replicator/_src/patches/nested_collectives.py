@@ -44,46 +44,24 @@ still needed (`test_fit_steps_per_execution_needs_cond_fix`).
 
 from __future__ import annotations
 
-import threading
-
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_v2_func_graphs as cf_graphs
 
-_lock = threading.Lock()
-_original = None
-
-
-def install() -> None:
-    """Routes call-time captures out of `tf.cond` branches (idempotent)."""
-    global _original
-    with _lock:
-        if _original is not None:
-            return
-        _original = cf_graphs.CondBranchFuncGraph.capture_call_time_value
-        cf_graphs.CondBranchFuncGraph.capture_call_time_value = _capture
-
-
-def uninstall() -> None:
-    """Restores TensorFlow's own behaviour (for tests)."""
-    global _original
-    with _lock:
-        if _original is None:
-            return
-        cf_graphs.CondBranchFuncGraph.capture_call_time_value = _original
-        _original = None
-
-
-def installed() -> bool:
-    """Whether `install` is in effect."""
-    return _original is not None
+from keras_replicator._src.patches import registry
 
 
 def _capture(
-    self, closure, spec, key=None, default_value=None, placeholder=None
+    original,
+    self,
+    closure,
+    spec,
+    key=None,
+    default_value=None,
+    placeholder=None,
 ):
     if placeholder is not None:
         # Loading a SavedModel passes its own placeholder; keep TF's path.
-        return _original(self, closure, spec, key, default_value, placeholder)
+        return original(self, closure, spec, key, default_value, placeholder)
     outer = self.outer_graph
     with outer.as_default():
         outer_value = outer.capture_call_time_value(
@@ -91,3 +69,34 @@ def _capture(
         )
     with self.as_default():
         return tf.nest.map_structure(self.capture, outer_value)
+
+
+PATCH = registry.register(
+    registry.Patch(
+        name="nested_collectives",
+        targets=(
+            registry.Target(
+                cf_graphs.CondBranchFuncGraph,
+                "capture_call_time_value",
+                _capture,
+            ),
+        ),
+        applies_to=frozenset({"local", "multi_worker"}),
+        pins=(
+            registry.Pin(
+                "tensorflow.python.framework.func_graph",
+                ("def capture_call_time_value(",),
+            ),
+            registry.Pin(
+                "tensorflow.python.distribute.cross_device_utils",
+                ("capture_call_time_value(",),
+            ),
+        ),
+        delete_when=(
+            "cond_v2 resolves the deferred captures of its branch graphs "
+            "(keras-team/keras#19246); "
+            "test_fit_steps_per_execution_needs_cond_fix shows whether it "
+            "is still needed"
+        ),
+    )
+)

@@ -50,24 +50,23 @@ normalization, `all_reduce` in a custom step, or another optimizer's
 `apply` gets a `RuntimeError` that says to use `jit_compile=False`.
 
 Every other model, strategy and setting takes Keras' stock `_make_function`
-unchanged. `KERAS_SOURCE_LINES` records the exact Keras source lines this
-relies on; `tests/test_per_replica_jit.py` fails when a Keras upgrade
-changes them.
+unchanged. `PATCH.pins` records the exact Keras source lines this relies on;
+`tests/test_patches.py` fails when a Keras upgrade changes them.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
-_stock_make_function = tf_trainer.TensorFlowTrainer._make_function
+from keras_replicator._src.core import traits
+from keras_replicator._src.patches import registry
 
 # The Keras source lines this module relies on, by module.
-KERAS_SOURCE_LINES = {
+_KERAS_SOURCE_LINES = {
     # Train and test functions come from `_make_function`, which jit-compiles
     # the whole `strategy.run` (replaced here); predict jit-compiles its step
     # alone and calls it inside `strategy.run` (left as it is).
@@ -103,62 +102,28 @@ _COLLECTIVE_IN_XLA = (
     "the model with `jit_compile=False`."
 )
 _MISSING = object()
-_lock = threading.Lock()
 
 
-def install() -> None:
-    """Compiles each replica's step when `jit_compile=True` (idempotent).
-
-    Replaces `TensorFlowTrainer._make_function` for every model, but only
-    models that `_wants_per_replica_jit` accepts take the new path. The
-    others run the stock function. `uninstall` puts the stock one back.
-    """
-    with _lock:
-        tf_trainer.TensorFlowTrainer._make_function = _make_function
-
-
-def uninstall() -> None:
-    """Restores Keras' stock `_make_function` (idempotent)."""
-    with _lock:
-        tf_trainer.TensorFlowTrainer._make_function = _stock_make_function
-
-
-def installed() -> bool:
-    """Whether `install` is in effect."""
-    return tf_trainer.TensorFlowTrainer._make_function is _make_function
-
-
-def _make_function(self, step_function):
+def _make_function(original, self, step_function):
     if not _wants_per_replica_jit(self):
-        return _stock_make_function(self, step_function)
+        return original(self, step_function)
     saved = self._jit_compile
     # The stock function reads `self.jit_compile` once, when it wraps the
     # outer step in its tf.function: make that one a plain graph.
     self._jit_compile = False
     try:
-        return _stock_make_function(
-            self, _compile_per_replica(self, step_function)
-        )
+        return original(self, _compile_per_replica(self, step_function))
     finally:
         self._jit_compile = saved
 
 
 def _wants_per_replica_jit(model) -> bool:
-    from keras_replicator._src.replicators import base
-
     strategy = model.distribute_strategy
     return (
         bool(model.jit_compile)
         and not model.run_eagerly
-        and isinstance(strategy, base.ReplicatorMixin)
         # Not TPUs (everything is XLA there) nor parameter servers.
-        and isinstance(
-            strategy,
-            (
-                tf.distribute.MirroredStrategy,
-                tf.distribute.MultiWorkerMirroredStrategy,
-            ),
-        )
+        and traits.is_in_graph(strategy)
         and strategy.num_replicas_in_sync > 1
     )
 
@@ -266,3 +231,24 @@ def _optimizers_of(model):
         if isinstance(value, keras.optimizers.Optimizer):
             found.setdefault(id(value), value)
     return list(found.values())
+
+
+PATCH = registry.register(
+    registry.Patch(
+        name="per_replica_jit",
+        targets=(
+            registry.Target(
+                tf_trainer.TensorFlowTrainer, "_make_function", _make_function
+            ),
+        ),
+        applies_to=frozenset({"local", "multi_worker"}),
+        pins=tuple(
+            registry.Pin(module, lines)
+            for module, lines in _KERAS_SOURCE_LINES.items()
+        ),
+        delete_when=(
+            "Keras' `_make_function` jit-compiles each replica's step inside "
+            "`strategy.run`, as `make_predict_function` does"
+        ),
+    )
+)

@@ -15,17 +15,14 @@ user's own script, whose `AsyncReplicator()` call serves and never returns.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
 
 from keras_replicator._src.cluster import config as cluster_lib
-from keras_replicator._src.cluster import startup_watchdog
+from keras_replicator._src.replicators import async_training
 from keras_replicator._src.replicators import base
 from keras_replicator._src.training import replicate as replicate_lib
 
@@ -80,7 +77,7 @@ class AsyncReplicator(
 
     Args:
         cluster: `None` to read `TF_CONFIG`, a TF_CONFIG JSON string or
-            dict, a `keras_replicator._src.cluster.ClusterConfig`, or a
+            dict, a `keras_replicator.ClusterConfig`, or a
             `tf.distribute.cluster_resolver.ClusterResolver`. It must have a
             `"chief"`, at least one `"worker"` and at least one `"ps"` task.
         variable_partitioner: None (each variable lives whole on one
@@ -97,6 +94,11 @@ class AsyncReplicator(
         TypeError: If `cluster` or `variable_partitioner` has an
             unsupported type.
     """
+
+    replicator_kind = "async"
+    # Keras' fit/evaluate/predict of this replicator's models run these
+    # loops (patches/trainer_loops.py dispatches to them).
+    keras_loops = async_training
 
     def __init__(
         self,
@@ -115,9 +117,7 @@ class AsyncReplicator(
         # Creating the coordinator starts one thread per worker that pulls
         # scheduled steps off a shared queue.
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
-        from keras_replicator._src.replicators import async_training
-
-        async_training.install()
+        self._install_patches()
 
     @property
     def coordinator(self) -> tf.distribute.coordinator.ClusterCoordinator:
@@ -321,113 +321,6 @@ class _RemoteValueWithNones(tf.distribute.experimental.coordinator.RemoteValue):
             for is_none in tf.nest.flatten(self._none_leaves)
         ]
         return tf.nest.pack_sequence_as(self._none_leaves, flat)
-
-
-class ParameterServerError(RuntimeError):
-    """A parameter server died: its variables are gone, training stopped."""
-
-
-def is_ps_failure(error: BaseException) -> bool:
-    """Whether a step's error says a parameter server is unreachable."""
-    return isinstance(
-        error, (tf.errors.UnavailableError, tf.errors.AbortedError)
-    ) and ("/job:ps" in str(error))
-
-
-@contextlib.contextmanager
-def clear_ps_errors(
-    config: cluster_lib.ClusterConfig | None = None,
-) -> Iterator[None]:
-    """Turns a parameter-server failure into a `ParameterServerError`.
-
-    TensorFlow reports it as an `UnavailableError` deep in a gRPC message;
-    the variables on that server are lost, so no retry can help.
-
-    Args:
-        config: The cluster, to name the dead server's address.
-
-    Raises:
-        ParameterServerError: If a parameter server is unreachable.
-    """
-    try:
-        yield
-    except tf.errors.OpError as e:
-        if is_ps_failure(e):
-            match = re.search(r"/job:ps/replica:\d+/task:(\d+)", str(e))
-            task = f"/job:ps/task:{match.group(1)}" if match else "/job:ps"
-            if match and config is not None:
-                task += f" ({config.cluster['ps'][int(match.group(1))]})"
-        elif isinstance(e, _MAYBE_PS_FAILURE) and config is not None:
-            # A dead server does not always say so: a run here got an
-            # OutOfRangeError that named no task. Ask the servers.
-            task = _unreachable_ps(config)
-            if task is None:
-                raise
-        else:
-            raise
-        raise ParameterServerError(
-            f"Parameter server {task} stopped responding, so the variables "
-            "it held are lost and training cannot continue. Restart the "
-            "cluster and restore the last checkpoint (e.g. with "
-            "keras.callbacks.BackupAndRestore). TensorFlow reported: "
-            f"{type(e).__name__}: {_ps_line(e)}"
-        ) from e
-
-
-def fetch_logs(result) -> dict:
-    """Fetches a step's outputs as Python logs, tolerating a lost worker.
-
-    A worker that died after its step ran took the outputs with it; the
-    step's update is already on the parameter servers, so its logs are
-    skipped (`{}`) rather than failing the run.
-
-    Args:
-        result: The `RemoteValue` of a scheduled step.
-
-    Returns:
-        The step's logs, or `{}` if they were lost with their worker.
-
-    Raises:
-        tf.errors.OpError: Any error of the step itself, or of a
-            parameter server.
-    """
-    from keras.src.utils.python_utils import pythonify_logs
-
-    try:
-        return pythonify_logs(result.fetch())
-    except (
-        tf.errors.UnavailableError,
-        tf.errors.AbortedError,
-        tf.errors.CancelledError,
-    ) as e:
-        if is_ps_failure(e):
-            raise
-        return {}
-
-
-# Errors a step can end with when a parameter server dies mid-step.
-_MAYBE_PS_FAILURE = (
-    tf.errors.OutOfRangeError,
-    tf.errors.CancelledError,
-    tf.errors.UnknownError,
-    tf.errors.InternalError,
-)
-
-
-def _unreachable_ps(config: cluster_lib.ClusterConfig) -> str | None:
-    """The first ps task refusing connections, as "/job:ps/task:i (addr)"."""
-    for index, address in enumerate(config.cluster.get("ps", ())):
-        if startup_watchdog.refuses_connections(address):
-            return f"/job:ps/task:{index} ({address})"
-    return None
-
-
-def _ps_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for line in lines:
-        if "/job:ps" not in line and "error" not in line.lower():
-            return line[:200]
-    return lines[0][:200] if lines else ""
 
 
 def check_async_cluster(config: cluster_lib.ClusterConfig) -> None:

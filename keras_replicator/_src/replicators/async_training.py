@@ -1,10 +1,11 @@
-"""Keras 3 `model.fit` / `evaluate` / `predict` under an AsyncReplicator.
+"""Keras 3 `model.fit` / `evaluate` / `predict` loops for an AsyncReplicator.
 
 Keras 3 dropped parameter-server training (keras-team/keras#18624): its
 trainer calls `strategy.run` on the coordinator, which a
-`ParameterServerStrategy` refuses. `install()` routes `fit`, `evaluate` and
-`predict` of models built under an `AsyncReplicator` to the loops here, and
-leaves every other model on stock Keras:
+`ParameterServerStrategy` refuses. The `trainer_loops` patch sends `fit`,
+`evaluate` and `predict` of models built under an `AsyncReplicator` to the
+loops here (the replicator's `keras_loops`), and leaves every other model on
+stock Keras:
 
 * `fit` builds a dataset on every worker, schedules `steps_per_epoch`
   `train_step`s per epoch with the `ClusterCoordinator`, calls the batch
@@ -13,126 +14,23 @@ leaves every other model on stock Keras:
 * `evaluate` with `steps` schedules that many `test_step`s on the workers;
   without `steps` it runs on the coordinator over the finite data, so every
   example counts exactly once. `predict` runs on the coordinator.
-* Keras' `Variable.assign_add`/`assign_sub` read the variable, add and write
-  back: two workers doing that at once lose one update (100 steps on two
-  workers left `optimizer.iterations` at 81). For parameter-server variables
-  the patch uses the variable's own atomic `assign_add`, so iteration counts
-  and metric totals are exact.
 
-The patches are reversible (`uninstall()`), and `tests/test_async_replicator`
-pins the Keras code they replace, so a Keras upgrade that changes it fails a
-test instead of training silently wrong.
+Keras' `Variable.assign_add`/`assign_sub` are made atomic for
+parameter-server variables by the `atomic_assign` patch.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import numpy as np
 import tensorflow as tf
 from keras.src import callbacks as callbacks_module
-from keras.src.backend.common import variables as common_variables
-from keras.src.backend.tensorflow import core as tf_core
-from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.utils.python_utils import pythonify_logs
-from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
 
-_Trainer = tf_trainer.TensorFlowTrainer
-_Variable = tf_core.Variable
-_stock = {
-    "fit": _Trainer.fit,
-    "evaluate": _Trainer.evaluate,
-    "predict": _Trainer.predict,
-    "assign_add": common_variables.Variable.assign_add,
-    "assign_sub": common_variables.Variable.assign_sub,
-}
-# Variables a ParameterServerStrategy creates (round-robin, one replica per
-# worker: CachingVariable; several: AggregatingVariable; partitioned:
-# ShardedVariable). Only these get the atomic update.
-_PS_VARIABLES = (
-    ps_values.CachingVariable,
-    ps_values.AggregatingVariable,
-    sharded_variable.ShardedVariable,
-)
+from keras_replicator._src.replicators import async_data
+from keras_replicator._src.replicators import async_errors
+
 _FIT_UNSUPPORTED = ("validation_split", "class_weight", "sample_weight")
-
-
-def _async_replicator(model):
-    from keras_replicator._src.replicators.async_ps import AsyncReplicator
-
-    strategy = getattr(model, "_distribute_strategy", None)
-    return strategy if isinstance(strategy, AsyncReplicator) else None
-
-
-def _dispatch(name, loop):
-    stock = _stock[name]
-    signature = inspect.signature(stock)
-
-    @functools.wraps(stock)
-    def method(self, *args, **kwargs):
-        replicator = _async_replicator(self)
-        if replicator is None:
-            return stock(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.pop("self")
-        arguments.update(arguments.pop("kwargs", {}))
-        return loop(self, replicator, **arguments)
-
-    method._keras_replicator_async = True
-    return method
-
-
-def _atomic(name):
-    stock = _stock[name]
-
-    def method(self, value):
-        inner = self._value
-        if not isinstance(inner, _PS_VARIABLES) or (
-            common_variables.in_stateless_scope()
-        ):
-            return stock(self, value)
-        value = self._convert_to_tensor(value, dtype=self._dtype)
-        # One resource op on the parameter server: atomic, unlike Keras'
-        # `self.assign(self + value)` read-modify-write.
-        return getattr(inner, name)(tf.cast(value, inner.dtype))
-
-    method.__name__ = name
-    method._keras_replicator_async = True
-    return method
-
-
-def install() -> None:
-    """Routes fit/evaluate/predict of AsyncReplicator models to this module.
-
-    Idempotent. Models under other strategies keep stock Keras behaviour.
-    """
-    if installed():
-        return
-    _Trainer.fit = _dispatch("fit", fit)
-    _Trainer.evaluate = _dispatch("evaluate", evaluate)
-    _Trainer.predict = _dispatch("predict", predict)
-    _Variable.assign_add = _atomic("assign_add")
-    _Variable.assign_sub = _atomic("assign_sub")
-
-
-def uninstall() -> None:
-    """Restores stock Keras `fit`, `evaluate`, `predict` and variables."""
-    _Trainer.fit = _stock["fit"]
-    _Trainer.evaluate = _stock["evaluate"]
-    _Trainer.predict = _stock["predict"]
-    # The TF Variable class inherits both methods from the common class.
-    for name in ("assign_add", "assign_sub"):
-        if name in vars(_Variable):
-            delattr(_Variable, name)
-
-
-def installed() -> bool:
-    """Whether `install()` is in effect."""
-    return getattr(_Trainer.fit, "_keras_replicator_async", False)
 
 
 def fit(
@@ -171,8 +69,6 @@ def fit(
                 f"`{name}` is not supported under AsyncReplicator; put it in "
                 f"the dataset instead. Received: {name}={value!r}"
             )
-    from keras_replicator._src.replicators import async_data
-
     source = async_data.Source(x, y, batch_size, shuffle=shuffle)
     _build(model, replicator, source)
     iterator = iter(source.per_worker_dataset(replicator))
@@ -243,8 +139,6 @@ def evaluate(
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
         raise ValueError(f"Arguments not recognized: {kwargs}")
-    from keras_replicator._src.replicators import async_data
-
     source = async_data.Source(
         x, y, batch_size, sample_weight=sample_weight, shuffle=False
     )
@@ -301,8 +195,6 @@ def predict(
     Returns:
         NumPy outputs, one row per example of `x`, in order.
     """
-    from keras_replicator._src.replicators import async_data
-
     source = async_data.Source(x, None, batch_size, shuffle=False)
     _build(model, replicator, source)
     dataset = source.local_dataset()
@@ -370,17 +262,15 @@ def _step_function(model, replicator, step):
 
 def _run_steps(replicator, function, iterator, steps, on_begin, on_end):
     """Schedules `steps` steps, then calls `on_end` as each one finishes."""
-    from keras_replicator._src.replicators import async_ps
-
     coordinator = replicator.coordinator
     results = []
-    with async_ps.clear_ps_errors(replicator.cluster_config):
+    with async_errors.clear_ps_errors(replicator.cluster_config):
         for step in range(steps):
             on_begin(step)
             results.append(coordinator.schedule(function, args=(iterator,)))
         logs = {}
         for step, result in enumerate(results):
-            logs = async_ps.fetch_logs(result)
+            logs = async_errors.fetch_logs(result)
             on_end(step, logs)
         coordinator.join()
     return logs

@@ -12,10 +12,13 @@ import threading
 
 import tensorflow as tf
 
+from keras_replicator._src import patches
+from keras_replicator._src.core import traits
 from keras_replicator._src.core import validation
+from keras_replicator._src.data import sharding
 from keras_replicator._src.patches import iterator_teardown
-from keras_replicator._src.patches import nested_collectives
-from keras_replicator._src.patches import per_replica_jit
+from keras_replicator._src.training import optimizer as optimizer_lib
+from keras_replicator._src.training import replicate as replicate_lib
 
 # Group keys of collective ops are process-global in TensorFlow's runtime, but
 # each tf.distribute strategy numbers its groups from 1. Two strategies in one
@@ -31,15 +34,6 @@ _key_lock = threading.Lock()
 
 def next_collective_key_base() -> int:
     """Returns a collective group-key base no other replicator here uses."""
-    # Every replicator calls this before it builds collectives: also make
-    # collectives work inside `tf.cond`, which `model.fit` with
-    # `steps_per_execution > 1` needs (see nested_collectives), and make
-    # `jit_compile=True` compile each replica's step (see per_replica_jit),
-    # and let distributed iterators be deleted without stalling (see
-    # iterator_teardown).
-    nested_collectives.install()
-    per_replica_jit.install()
-    iterator_teardown.install()
     with _key_lock:
         return next(_key_blocks) * _KEY_BLOCK
 
@@ -47,9 +41,47 @@ def next_collective_key_base() -> int:
 class ReplicatorMixin:
     """What every replicator backend has, whatever its topology.
 
-    Put it first in the bases of a `tf.distribute.Strategy` subclass. Subclasses
-    that span processes override `is_chief`, `num_workers` and `worker_index`.
+    Put it first in the bases of a `tf.distribute.Strategy` subclass, set
+    `replicator_kind` (one of `core.traits.KINDS`) and call
+    `_install_patches()` in `__init__` before the strategy is built.
+    Subclasses that span processes override `is_chief`, `num_workers` and
+    `worker_index`.
     """
+
+    # Which backend this is; patches dispatch on it (core.traits).
+    replicator_kind: str = ""
+
+    def _install_patches(self) -> None:
+        """Installs the Keras/TF patches this kind of replicator declares.
+
+        Each patch lists the kinds it applies to (`patches/registry.py`);
+        installing is idempotent, and every patched method falls back to
+        stock Keras for models under other strategies.
+        """
+        patches.install_for(self.replicator_kind)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distributes `dataset`; see `tf.distribute.Strategy`.
+
+        Under in-graph replicators the dataset runs without tf.data's
+        autotune thread (unless the user set an autotune option), so that
+        deleting its iterator cannot stall (`patches/iterator_teardown.py`).
+        """
+        if traits.is_in_graph(self):
+            dataset = iterator_teardown.without_autotune_thread(dataset)
+        return super().experimental_distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Distributes `dataset_fn`'s datasets; see `tf.distribute.Strategy`.
+
+        Like `experimental_distribute_dataset`, without tf.data's autotune
+        thread under in-graph replicators.
+        """
+        if traits.is_in_graph(self):
+            dataset_fn = iterator_teardown.without_autotune_thread_fn(
+                dataset_fn
+            )
+        return super().distribute_datasets_from_function(dataset_fn, options)
 
     @property
     def is_chief(self) -> bool:
@@ -127,8 +159,6 @@ class ReplicatorMixin:
             A distributed dataset for `model.fit`, `model.evaluate` and
             custom loops; in eval mode every example counts exactly once.
         """
-        from keras_replicator._src.data import sharding
-
         return sharding.distribute(
             self, dataset_or_input_fn, global_batch_size, **options
         )
@@ -174,8 +204,6 @@ class ReplicatorMixin:
                 `input_fn` does not return a `tf.data.Dataset`.
             ValueError: If `reduce` or `steps_per_call` is not supported.
         """
-        from keras_replicator._src.training import replicate as replicate_lib
-
         return replicate_lib.replicate(
             self, step_fn, input_fn, reduce, steps_per_call
         )
@@ -210,8 +238,6 @@ class ReplicatorMixin:
             ValueError: If an option is out of range, or `optimizer` was
                 created outside `replicator.scope()`.
         """
-        from keras_replicator._src.training import optimizer as optimizer_lib
-
         return optimizer_lib.wrap_optimizer(
             self, optimizer, accumulation_steps, compression, **options
         )

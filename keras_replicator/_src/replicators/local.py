@@ -8,16 +8,10 @@ import tensorflow as tf
 
 from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.core import validation
-from keras_replicator._src.patches import iterator_teardown
-from keras_replicator._src.patches import keras_compat
 from keras_replicator._src.replicators import base
 
 
-class LocalReplicator(
-    base.ReplicatorMixin,
-    iterator_teardown.QuickTeardownMixin,
-    tf.distribute.MirroredStrategy,
-):
+class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
     """Replicates Keras and TensorFlow code over the devices of one host.
 
     The paper's `MultiGpuReplicator`: in-graph, synchronous data parallelism
@@ -60,6 +54,8 @@ class LocalReplicator(
             initialised too few logical CPU devices.
     """
 
+    replicator_kind = "local"
+
     def __init__(
         self,
         num_replicas: int | None = None,
@@ -68,8 +64,9 @@ class LocalReplicator(
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
-        # Keras' first build must not reduce a batch across replicas.
-        keras_compat.install()
+        # Keras' first build from a local batch (patches/keras_compat),
+        # collectives inside tf.cond (nested_collectives), ...
+        self._install_patches()
         super().__init__(devices=device_names)
 
 

@@ -9,14 +9,12 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
+from keras_replicator._src import collectives
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import startup_watchdog
 from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
-from keras_replicator._src.patches import chief_only
-from keras_replicator._src.patches import iterator_teardown
-from keras_replicator._src.patches import keras_compat
 from keras_replicator._src.replicators import base
 
 _Extended = cars.CollectiveAllReduceExtended
@@ -24,10 +22,7 @@ _CPU_REPLICAS_ENV = env.CPU_REPLICAS
 
 
 class MultiWorkerReplicator(
-    base.ReplicatorMixin,
-    keras_compat.KerasCompatMixin,
-    iterator_teardown.QuickTeardownMixin,
-    tf.distribute.MultiWorkerMirroredStrategy,
+    base.ReplicatorMixin, tf.distribute.MultiWorkerMirroredStrategy
 ):
     """Replicates Keras and TensorFlow code over worker processes.
 
@@ -38,7 +33,7 @@ class MultiWorkerReplicator(
     TensorFlow's collective ops over gRPC. It is a
     `tf.distribute.MultiWorkerMirroredStrategy`, so ordinary Keras code only
     needs `with replicator.scope():`; `model.fit`, `evaluate` and `predict`
-    work with Keras 3 (see `keras_compat`).
+    work with Keras 3 (see `patches/keras_compat.py`).
 
     The cluster comes from `TF_CONFIG` (set by `keras-replicator launch`, by
     Kubeflow's TFJob, or by hand), from Slurm, or from `cluster=`. Workers
@@ -50,7 +45,7 @@ class MultiWorkerReplicator(
 
     Args:
         cluster: `None` to read `TF_CONFIG` (else Slurm), a TF_CONFIG JSON
-            string or dict, a `keras_replicator._src.cluster.ClusterConfig`,
+            string or dict, a `keras_replicator.ClusterConfig`,
             or a `tf.distribute.cluster_resolver.ClusterResolver`.
         replicas_per_worker: Replicas per worker process. Defaults to all
             local GPUs, or with no GPU, to `KERAS_REPLICATOR_CPU_REPLICAS` if
@@ -75,6 +70,8 @@ class MultiWorkerReplicator(
         RuntimeError: If CPU replicas are wanted but TensorFlow already
             initialised too few logical CPU devices.
     """
+
+    replicator_kind = "multi_worker"
 
     def __init__(
         self,
@@ -109,10 +106,9 @@ class MultiWorkerReplicator(
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=collective_timeout_seconds
         )
-        # Files and progress bars on the chief only; see chief_only.
-        chief_only.install()
-        # One all-reduce per step for all of Keras' logs; see keras_compat.
-        keras_compat.install()
+        # Files and progress bars on the chief only (patches/chief_only),
+        # one all-reduce per step for all of Keras' logs (keras_compat), ...
+        self._install_patches()
         # TF blocks forever (ignoring SIGTERM) when a peer never comes up;
         # the watchdog ends the process with an error naming it instead.
         cluster = config.cluster
@@ -124,6 +120,42 @@ class MultiWorkerReplicator(
         # Skip MultiWorkerMirroredStrategy.__init__: it builds its own
         # extended object, which can only place one replica per CPU worker.
         tf.distribute.Strategy.__init__(self, extended)
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduces `value` across every replica of every worker.
+
+        Like `tf.distribute.Strategy.reduce`, with two extensions that Keras
+        3's trainer needs (see `patches/keras_compat.py`): `value` may be a
+        nest (each leaf is reduced, in `tf.nest.flatten` order, which is the
+        same on every worker), and a scalar leaf with `axis=0` is reduced
+        across replicas only. The floating scalar per-replica leaves of a
+        nest are reduced together, in one all-reduce per dtype.
+
+        Args:
+            reduce_op: `"SUM"`, `"MEAN"` or a `tf.distribute.ReduceOp`.
+            value: A `tf.distribute.DistributedValues`, a tensor, or a nest
+                of them.
+            axis: The dimension to reduce within each replica, or `None`.
+
+        Returns:
+            A tensor, or a nest of tensors shaped like `value`.
+        """
+        parent = super()
+        leaves = tf.nest.flatten(value, expand_composites=False)
+        if len(leaves) == 1 and leaves[0] is value:
+            return parent.reduce(reduce_op, value, _leaf_axis(value, axis))
+        reduced = collectives.reduce_scalars(
+            parent.reduce,
+            reduce_op,
+            leaves,
+            len(self.extended.worker_devices),
+        )
+        for i, leaf in enumerate(leaves):
+            if reduced[i] is None:
+                reduced[i] = parent.reduce(
+                    reduce_op, leaf, _leaf_axis(leaf, axis)
+                )
+        return tf.nest.pack_sequence_as(value, reduced)
 
     @property
     def is_chief(self) -> bool:
@@ -154,6 +186,17 @@ class MultiWorkerReplicator(
     def collective_timeout_seconds(self) -> float | None:
         """The bound on each collective in seconds (None: none)."""
         return self._collective_timeout_seconds
+
+
+def _leaf_axis(value, axis):
+    """`None` for a scalar value: it has no axis 0 to reduce within."""
+    if axis is None:
+        return None
+    first = value
+    if isinstance(value, tf.distribute.DistributedValues):
+        first = value.values[0]
+    rank = getattr(getattr(first, "shape", None), "rank", None)
+    return None if rank == 0 else axis
 
 
 def _check_timeout(name: str, value: Any) -> None:

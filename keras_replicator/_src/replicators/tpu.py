@@ -101,6 +101,8 @@ class TpuReplicator(base.ReplicatorMixin, tf.distribute.TPUStrategy):
         TypeError: If `tpu` has an unsupported type.
     """
 
+    replicator_kind = "tpu"
+
     def __init__(self, tpu=None):
         resolver = resolver_for(tpu)
         if resolver.master() not in ("", "local"):
@@ -108,4 +110,6 @@ class TpuReplicator(base.ReplicatorMixin, tf.distribute.TPUStrategy):
             # TPU VM's own chips need no connection.
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
+        # Exact evaluation of padded batches (patches/exact_eval), ...
+        self._install_patches()
         super().__init__(resolver)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from keras_replicator._src import collectives
 from keras_replicator._src.core import validation
 
 COMPRESSIONS = {None: None, "bf16": tf.bfloat16, "fp16": tf.float16}
@@ -367,9 +368,8 @@ def all_reduce_mean(
         return list(grads)
     scale = 1.0 / ctx.num_replicas_in_sync
     wire = COMPRESSIONS[compression]
-    groups: dict[str, list[int]] = {}
     sent = []
-    for i, g in enumerate(grads):
+    for g in grads:
         if g is None:
             sent.append(None)
             continue
@@ -377,20 +377,14 @@ def all_reduce_mean(
         if wire is not None and g.dtype.is_floating and g.dtype.size > 2:
             g = tf.cast(g, wire)
         sent.append(g)
-        groups.setdefault(g.dtype.name, []).append(i)
     options = tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=bytes_per_pack
     )
-    out = list(sent)
-    # Sorted: every replica must issue its collectives in the same order.
-    for dtype in sorted(groups):
-        indices = groups[dtype]
-        reduced = ctx.all_reduce(
-            tf.distribute.ReduceOp.SUM, [sent[i] for i in indices], options
-        )
-        for i, r in zip(indices, reduced, strict=True):
-            out[i] = tf.cast(r, grads[i].dtype)
-    return out
+    reduced = collectives.all_reduce(ctx, "sum", sent, options)
+    return [
+        None if r is None else tf.cast(r, g.dtype)
+        for r, g in zip(reduced, grads, strict=True)
+    ]
 
 
 def _validate(optimizer, accumulation_steps, compression) -> None:

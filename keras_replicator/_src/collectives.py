@@ -1,0 +1,148 @@
+"""The one place that builds packed all-reduces and cross-worker sums.
+
+Every collective keras-replicator issues goes through here: the primitives
+(`kr.all_reduce`, `kr.broadcast`), gradient averaging (`wrap_optimizer`),
+cross-replica batch norm, the packed reduction of Keras' logs and
+`MetricReduction`. Packing is the same everywhere: values are grouped by
+dtype (a collective carries one dtype; MirroredStrategy also reduces int32
+on the host and floats on the devices and refuses to batch both), and each
+group goes out as ONE collective, in sorted dtype order.
+
+Sorted order matters: every replica of every worker must issue its
+collectives in the same order, or the all-reduces pair up different values
+or hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import values as tf_values
+
+
+def all_reduce(
+    ctx: tf.distribute.ReplicaContext,
+    op: str,
+    values: Sequence[tf.Tensor | None],
+    options: tf.distribute.experimental.CommunicationOptions | None = None,
+) -> list[tf.Tensor | None]:
+    """All-reduces a flat list in a replica context, one collective per dtype.
+
+    Args:
+        ctx: The replica context (inside `strategy.run`).
+        op: `"sum"` or `"mean"`.
+        values: Tensors; None entries are passed through.
+        options: Optional `CommunicationOptions` (e.g. `bytes_per_pack`,
+            which lets TensorFlow split a group into packs that overlap).
+
+    Returns:
+        The reduced tensors, in the order of `values`.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, v in enumerate(values):
+        if v is not None:
+            groups.setdefault(v.dtype.name, []).append(i)
+    out = list(values)
+    for dtype in sorted(groups):
+        indices = groups[dtype]
+        reduced = ctx.all_reduce(
+            op.upper(), [values[i] for i in indices], options
+        )
+        for i, r in zip(indices, reduced, strict=True):
+            out[i] = r
+    return out
+
+
+def reduce_scalars(
+    reduce_fn: Callable[..., tf.Tensor],
+    reduce_op,
+    leaves: Sequence,
+    num_local_replicas: int,
+) -> list:
+    """Reduces the scalar per-replica leaves of a nest, packed by dtype.
+
+    Cross-replica context (Keras' `reduce_per_replica` of a step's logs):
+    the floating scalar leaves of one dtype are stacked on each replica's
+    device and reduced in one call of `reduce_fn(reduce_op, value,
+    axis=None)` (a strategy's `reduce`), instead of one call each.
+
+    Args:
+        reduce_fn: The strategy's stock `reduce`.
+        reduce_op: `"SUM"`, `"MEAN"` or a `tf.distribute.ReduceOp`.
+        leaves: Flat leaves: `PerReplica` values or tensors.
+        num_local_replicas: This process's replicas; with one, `run`
+            returns plain tensors, which count as that replica's value.
+
+    Returns:
+        A list like `leaves` with the packed leaves reduced and the others
+        left as None, for the caller to reduce one by one.
+    """
+    local = [_local_scalars(leaf, num_local_replicas) for leaf in leaves]
+    groups: dict[str, list[int]] = {}
+    for i, values in enumerate(local):
+        if values is not None:
+            groups.setdefault(values[0].dtype.name, []).append(i)
+    reduced = [None] * len(leaves)
+    for dtype in sorted(groups):
+        indices = groups[dtype]
+        if len(indices) == 1:
+            continue
+        columns = zip(*(local[i] for i in indices), strict=True)
+        stacked = tf_values.PerReplica(
+            tuple(_stack_on_device(column) for column in columns)
+        )
+        packed = reduce_fn(reduce_op, stacked, axis=None)
+        for i, unpacked in zip(indices, tf.unstack(packed), strict=True):
+            reduced[i] = unpacked
+    return reduced
+
+
+def sum_over_workers(
+    strategy: tf.distribute.Strategy, vector: np.ndarray, num_workers: int
+) -> np.ndarray:
+    """Sums a NumPy vector over the workers of `strategy`: one all-reduce.
+
+    Call it eagerly, in cross-replica context, on every worker.
+
+    Args:
+        strategy: A multi-worker strategy.
+        vector: This worker's values.
+        num_workers: The number of worker processes.
+
+    Returns:
+        The element-wise sum over workers, the same on every worker.
+    """
+    per_worker = strategy.num_replicas_in_sync // num_workers
+
+    def value_fn(ctx):
+        # One replica per worker (its first; replica ids run worker by
+        # worker) carries the vector; the others add zeros.
+        first = ctx.replica_id_in_sync_group % per_worker == 0
+        return tf.constant(vector if first else np.zeros_like(vector))
+
+    values = strategy.experimental_distribute_values_from_function(value_fn)
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)
+    return np.asarray(total)
+
+
+def _stack_on_device(scalars):
+    """One replica's scalars as a vector, on that replica's device."""
+    with tf.device(scalars[0].device):
+        return tf.stack(scalars)
+
+
+def _local_scalars(leaf, num_local_replicas):
+    """A packable leaf's per-replica floating scalars, else `None`."""
+    if isinstance(leaf, tf_values.PerReplica):
+        values = leaf.values
+    elif tf.is_tensor(leaf) and num_local_replicas == 1:
+        values = (leaf,)
+    else:
+        return None
+    first = values[0]
+    if first.shape.rank != 0 or not first.dtype.is_floating:
+        return None
+    return values

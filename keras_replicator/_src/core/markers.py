@@ -1,0 +1,29 @@
+"""Marks the data helpers put on datasets, for the patches that read them.
+
+Data helpers only mark datasets; they never install patches. The exact
+evaluation patch (`patches/exact_eval.py`) reads these marks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Set on a distributed dataset whose padding carries sample weight 0.
+PADDED_ATTR = "_keras_replicator_padded"
+# Set on a `kr.data.shard(..., mode="eval")` input function that pads.
+PADDED_EVAL_ATTR = "padded_eval"
+
+
+def mark_padded(distributed: Any) -> Any:
+    """Marks a distributed dataset as padded by the sharder; returns it."""
+    setattr(distributed, PADDED_ATTR, True)
+    return distributed
+
+
+def is_padded(x: Any) -> bool:
+    """Whether `x` is data the sharder padded with zero-weight examples."""
+    if getattr(x, PADDED_ATTR, False):
+        return True
+    # A user's distribute_datasets_from_function(kr.data.shard(...)).
+    input_fn = getattr(x, "_dataset_fn", None)
+    return bool(getattr(input_fn, PADDED_EVAL_ATTR, False))

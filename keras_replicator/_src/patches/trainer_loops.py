@@ -1,0 +1,87 @@
+"""Keras' `fit`, `evaluate` and `predict`: the replicator's own loops, if any.
+
+Two behaviours need these entry points, and one patch owns them:
+
+- Under `AsyncReplicator` Keras 3 cannot train at all (keras-team/keras#18624:
+  its trainer calls `strategy.run` on the coordinator, which a
+  `ParameterServerStrategy` refuses). A replicator that brings its own Keras
+  loops (a `keras_loops` attribute with `fit`, `evaluate` and `predict`
+  functions of `(model, replicator, **arguments)`) gets every call, with the
+  arguments bound to Keras' own signature.
+- Exact evaluation of padded data (`exact_eval`): before the stock
+  `evaluate`, the model learns whether `x` is data the sharder padded.
+
+Everything else, including every model under no strategy or a stock
+`tf.distribute` strategy, runs Keras' stock method unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from keras.src.backend.tensorflow import trainer as tf_trainer
+
+from keras_replicator._src.core import traits
+from keras_replicator._src.patches import exact_eval
+from keras_replicator._src.patches import registry
+
+
+def _loops(model):
+    """The replicator, if the model's strategy brings its own Keras loops."""
+    strategy = traits.model_strategy(model)
+    if traits.is_ours(strategy) and hasattr(strategy, "keras_loops"):
+        return strategy
+    return None
+
+
+def _arguments(original, model, args, kwargs) -> dict:
+    """The call's arguments by name, defaults filled, as Keras binds them."""
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+def _dispatch(name):
+    def method(original, self, *args, **kwargs):
+        replicator = _loops(self)
+        if replicator is not None:
+            loop = getattr(replicator.keras_loops, name)
+            return loop(
+                self, replicator, **_arguments(original, self, args, kwargs)
+            )
+        if name == "evaluate":
+            x = _arguments(original, self, args, kwargs).get("x")
+            exact_eval.prepare(self, x)
+        return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+_Trainer = tf_trainer.TensorFlowTrainer
+
+PATCH = registry.register(
+    registry.Patch(
+        name="trainer_loops",
+        targets=tuple(
+            registry.Target(_Trainer, name, _dispatch(name))
+            for name in ("fit", "evaluate", "predict")
+        ),
+        applies_to=frozenset(traits.KINDS),
+        # The loops take Keras' own arguments; a signature change must be
+        # looked at (tests/test_async_replicator.py compares them too).
+        pins=(
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                ("def fit(", "def evaluate(", "def predict("),
+            ),
+        ),
+        delete_when=(
+            "Keras 3 supports ParameterServerStrategy in fit/evaluate "
+            "(keras-team/keras#18624) and evaluates padded batches exactly"
+        ),
+    )
+)

@@ -1,0 +1,128 @@
+"""Parameter-server failures under AsyncReplicator, named as such.
+
+TensorFlow reports a dead parameter server as an `UnavailableError` deep in
+a gRPC message, or sometimes as an error that names no task at all; these
+helpers turn both into a `ParameterServerError` that names the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+import tensorflow as tf
+from keras.src.utils.python_utils import pythonify_logs
+
+from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import startup_watchdog
+
+
+class ParameterServerError(RuntimeError):
+    """A parameter server died: its variables are gone, training stopped.
+
+    Raised by `model.fit`/`evaluate` and replicated steps under
+    `AsyncReplicator`; the message names the server and says to restart
+    the cluster from the last checkpoint.
+    """
+
+
+def is_ps_failure(error: BaseException) -> bool:
+    """Whether a step's error says a parameter server is unreachable."""
+    return isinstance(
+        error, (tf.errors.UnavailableError, tf.errors.AbortedError)
+    ) and ("/job:ps" in str(error))
+
+
+@contextlib.contextmanager
+def clear_ps_errors(
+    config: cluster_lib.ClusterConfig | None = None,
+) -> Iterator[None]:
+    """Turns a parameter-server failure into a `ParameterServerError`.
+
+    TensorFlow reports it as an `UnavailableError` deep in a gRPC message;
+    the variables on that server are lost, so no retry can help.
+
+    Args:
+        config: The cluster, to name the dead server's address.
+
+    Raises:
+        ParameterServerError: If a parameter server is unreachable.
+    """
+    try:
+        yield
+    except tf.errors.OpError as e:
+        if is_ps_failure(e):
+            match = re.search(r"/job:ps/replica:\d+/task:(\d+)", str(e))
+            task = f"/job:ps/task:{match.group(1)}" if match else "/job:ps"
+            if match and config is not None:
+                task += f" ({config.cluster['ps'][int(match.group(1))]})"
+        elif isinstance(e, _MAYBE_PS_FAILURE) and config is not None:
+            # A dead server does not always say so: a run here got an
+            # OutOfRangeError that named no task. Ask the servers.
+            task = _unreachable_ps(config)
+            if task is None:
+                raise
+        else:
+            raise
+        raise ParameterServerError(
+            f"Parameter server {task} stopped responding, so the variables "
+            "it held are lost and training cannot continue. Restart the "
+            "cluster and restore the last checkpoint (e.g. with "
+            "keras.callbacks.BackupAndRestore). TensorFlow reported: "
+            f"{type(e).__name__}: {_ps_line(e)}"
+        ) from e
+
+
+def fetch_logs(result) -> dict:
+    """Fetches a step's outputs as Python logs, tolerating a lost worker.
+
+    A worker that died after its step ran took the outputs with it; the
+    step's update is already on the parameter servers, so its logs are
+    skipped (`{}`) rather than failing the run.
+
+    Args:
+        result: The `RemoteValue` of a scheduled step.
+
+    Returns:
+        The step's logs, or `{}` if they were lost with their worker.
+
+    Raises:
+        tf.errors.OpError: Any error of the step itself, or of a
+            parameter server.
+    """
+    try:
+        return pythonify_logs(result.fetch())
+    except (
+        tf.errors.UnavailableError,
+        tf.errors.AbortedError,
+        tf.errors.CancelledError,
+    ) as e:
+        if is_ps_failure(e):
+            raise
+        return {}
+
+
+# Errors a step can end with when a parameter server dies mid-step.
+_MAYBE_PS_FAILURE = (
+    tf.errors.OutOfRangeError,
+    tf.errors.CancelledError,
+    tf.errors.UnknownError,
+    tf.errors.InternalError,
+)
+
+
+def _unreachable_ps(config: cluster_lib.ClusterConfig) -> str | None:
+    """The first ps task refusing connections, as "/job:ps/task:i (addr)"."""
+    for index, address in enumerate(config.cluster.get("ps", ())):
+        if startup_watchdog.refuses_connections(address):
+            return f"/job:ps/task:{index} ({address})"
+    return None
+
+
+def _ps_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if "/job:ps" not in line and "error" not in line.lower():
+            return line[:200]
+    return lines[0][:200] if lines else ""
