@@ -33,54 +33,25 @@ def parse_args():
     return args
 
 
-def build_resnet(keras, width, num_classes=10):
-    """A ResNet for 8x8 images: a stem and two residual stages."""
-
-    def conv_bn_relu(x, stride=1, relu=True):
-        x = keras.layers.Conv2D(
-            width, 3, strides=stride, padding="same", use_bias=False
-        )(x)
-        x = kr.layers.CrossReplicaBatchNormalization(momentum=0.9)(x)
-        return keras.layers.ReLU()(x) if relu else x
-
-    inputs = keras.Input((8, 8, 1))
-    x = conv_bn_relu(inputs)
-    for stride in (1, 2):
-        y = conv_bn_relu(conv_bn_relu(x, stride), relu=False)
-        shortcut = x
-        if stride != 1:
-            shortcut = keras.layers.Conv2D(width, 1, strides=stride)(x)
-        x = keras.layers.ReLU()(keras.layers.Add()([y, shortcut]))
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    outputs = keras.layers.Dense(num_classes, activation="softmax")(x)
-    return keras.Model(inputs, outputs, name="resnet")
-
-
 def main():
     args = parse_args()
     replicator = kr.LocalReplicator(args.replicas)
 
-    # TensorFlow and Keras after the replicator: it splits the CPU first.
+    # Keras after the replicator: it splits the CPU first. The model and
+    # data are `keras-replicator demo`'s: a small ResNet whose batch norm is
+    # kr.layers.CrossReplicaBatchNormalization, and the digits split 80/20.
     import keras
-    import numpy as np
-    from sklearn.datasets import load_digits
+
+    from keras_replicator._src import demo
 
     keras.utils.set_random_seed(0)
-    digits = load_digits()
-    x = (digits.images / 16.0).astype("float32")[..., None]
-    y = digits.target.astype("int32")
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
+    (x_train, y_train), (x_test, y_test) = demo.load_digits_split()
     # NOTE: batch sizes are GLOBAL; each replica gets global / replicas.
-    n = split // args.global_batch * args.global_batch
-    (x_train, y_train), (x_test, y_test) = (
-        (x[:n], y[:n]),
-        (x[split:], y[split:]),
-    )
+    n = len(x_train) // args.global_batch * args.global_batch
+    x_train, y_train = x_train[:n], y_train[:n]
 
     with replicator.scope():
-        model = build_resnet(keras, args.width)
+        model = demo.build_resnet(width=args.width)
         optimizer = keras.optimizers.Adam(3e-3)
         if args.accumulation_steps > 1:
             optimizer = replicator.wrap_optimizer(

@@ -28,14 +28,6 @@ def pytest_configure(config):
     kr.configure_cpu_replicas(MAX_TEST_REPLICAS)
 
 
-def assert_weights_close(actual, expected, atol=1e-5):
-    assert len(actual) == len(expected)
-    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        np.testing.assert_allclose(
-            a, e, atol=atol, rtol=0, err_msg=f"weight {i} differs"
-        )
-
-
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Helpers shared by tests: models, data and single-device references."""
+"""Helpers shared by tests: models, data, references and assertions."""
 
 import keras
 import numpy as np
@@ -59,3 +59,11 @@ def assert_close(actual, expected, what, atol=1e-5):
         rtol=0,
         err_msg=what,
     )
+
+
+def assert_weights_close(actual, expected, atol=1e-5):
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        np.testing.assert_allclose(
+            a, e, atol=atol, rtol=0, err_msg=f"weight {i} differs"
+        )

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src.layers import cross_replica_batch_norm as crbn
-from tests.conftest import assert_weights_close
+from tests.helpers import assert_weights_close
 
 CHANNELS = 3
 MOMENTUM = 0.5

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from tests.conftest import assert_weights_close
+from tests.helpers import assert_weights_close
 from tests.helpers import classification_data
 from tests.helpers import conv_dense_model
 

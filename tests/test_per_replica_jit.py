@@ -9,7 +9,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 import keras_replicator as kr
 from keras_replicator._src.patches import per_replica_jit
 from tests import helpers
-from tests.conftest import assert_weights_close
+from tests.helpers import assert_weights_close
 
 GLOBAL_BATCH = 16
 

@@ -15,7 +15,7 @@ import pytest
 import keras_replicator as kr
 from keras_replicator._src.callbacks import sync_batch_norm
 from tests import sync_bn_models
-from tests.conftest import assert_weights_close
+from tests.helpers import assert_weights_close
 
 GLOBAL_BATCH = 16
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_replicator._src import collectives
+from keras_replicator._src.core import validation
 from keras_replicator._src.core.types import TensorTree
 
 try:  # Keras 3: true while Keras infers output shapes from symbolic inputs.
@@ -164,7 +165,7 @@ def all_gather(value: TensorTree, axis: int = 0) -> TensorTree:
         TypeError: If `axis` is not an integer.
         RuntimeError: If called in cross-replica context.
     """
-    if isinstance(axis, bool) or not isinstance(axis, int):
+    if not validation.is_int(axis):
         raise TypeError(
             f"`axis` must be an integer. Received: axis={axis!r} "
             f"of type {type(axis).__name__}"
@@ -205,11 +206,7 @@ def broadcast(value: TensorTree, source_replica: int = 0) -> TensorTree:
         if ctx is None
         else ctx.num_replicas_in_sync
     )
-    if (
-        isinstance(source_replica, bool)
-        or not isinstance(source_replica, int)
-        or not 0 <= source_replica < n
-    ):
+    if not validation.is_int(source_replica) or not 0 <= source_replica < n:
         raise ValueError(
             f"`source_replica` must be an integer in [0, {n}) (there are {n} "
             f"replicas). Received: source_replica={source_replica!r}"

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tests import test_wrap_optimizer as reference
-from tests.conftest import assert_weights_close
+from tests import test_optimizer as reference
+from tests.helpers import assert_weights_close
 from tests.multi_worker import harness
 
 WORKER = harness.REPO_ROOT / "tests/multi_worker/workers/research_worker.py"

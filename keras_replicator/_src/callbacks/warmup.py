@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import keras
 
+from keras_replicator._src.core import validation
+
 # Set on the optimizer while a warm-up is unfinished; see on_train_begin.
 _TARGET_ATTR = "_keras_replicator_warmup_target"
 
@@ -176,11 +178,4 @@ class LinearWarmup(keras.callbacks.Callback):
 
 
 def _check_positive(name, value):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or value <= 0
-    ):
-        raise ValueError(
-            f"`{name}` must be a positive number. Received: {name}={value!r}"
-        )
+    validation.check_positive_number(name, value)

@@ -23,6 +23,7 @@ from typing import Any
 
 from keras_replicator._src.cluster import discovery
 from keras_replicator._src.core import env
+from keras_replicator._src.core import validation
 
 TF_CONFIG = env.TF_CONFIG
 # Jobs of a synchronous cluster; "ps" belongs to the parameter-server backend.
@@ -180,7 +181,7 @@ def parse_tf_config(config: str | Mapping[str, Any]) -> ClusterConfig:
             f"{tuple(cluster)}. Received: task.type={task_type!r}"
         )
     index = task.get("index", 0)
-    if isinstance(index, bool) or not isinstance(index, int):
+    if not validation.is_int(index):
         raise ValueError(
             f"`task.index` must be an integer. Received: task.index={index!r}"
         )

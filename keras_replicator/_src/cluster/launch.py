@@ -23,6 +23,7 @@ from typing import TextIO
 
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.core import env
+from keras_replicator._src.core import validation
 
 LOOPBACK = "127.0.0.1"
 CPU_REPLICAS_ENV = env.CPU_REPLICAS
@@ -130,15 +131,8 @@ def launch(
             "`launch` needs a command to run, e.g. `keras-replicator launch "
             "--workers 2 -- python train.py`. Received: command=[]"
         )
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(
-            "`workers` must be a positive integer. "
-            f"Received: workers={workers!r}"
-        )
-    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
-        raise ValueError(
-            f"`ps` must be a non-negative integer. Received: ps={ps!r}"
-        )
+    validation.check_positive_int("workers", workers)
+    validation.check_non_negative_int("ps", ps)
     out = out or sys.stdout
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         code, clash = _launch_once(

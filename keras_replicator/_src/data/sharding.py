@@ -103,9 +103,7 @@ def shard(
         )
     _check_positive_int("global_batch_size", global_batch_size)
     _check_positive_int("shuffle_buffer_size", shuffle_buffer_size)
-    if shuffle_seed is not None and (
-        isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)
-    ):
+    if shuffle_seed is not None and not validation.is_int(shuffle_seed):
         raise TypeError(
             "`shuffle_seed` must be an integer or None. "
             f"Received: shuffle_seed={shuffle_seed!r}"

@@ -22,6 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.core import validation
 from keras_replicator._src.replicators import async_training
 from keras_replicator._src.replicators import base
 from keras_replicator._src.training import replicate as replicate_lib
@@ -352,7 +353,7 @@ def _partitioner(value: Any, config: cluster_lib.ClusterConfig):
         value, tf.distribute.experimental.partitioners.Partitioner
     ):
         return value
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not validation.is_int(value):
         raise TypeError(
             "`variable_partitioner` must be None, a tf.distribute."
             "experimental.partitioners.Partitioner or an integer "

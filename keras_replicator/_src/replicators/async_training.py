@@ -27,6 +27,7 @@ from keras.src import callbacks as callbacks_module
 from keras.src.utils.python_utils import pythonify_logs
 from tensorflow.python.distribute import sharded_variable
 
+from keras_replicator._src.core import validation
 from keras_replicator._src.replicators import async_data
 from keras_replicator._src.replicators import async_errors
 
@@ -210,7 +211,7 @@ def predict(
 
 
 def _check_steps(name, value, where):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not validation.is_int(value) or value < 1:
         raise ValueError(
             f"Under AsyncReplicator, `{where}` needs `{name}` as a positive "
             "integer: each worker iterates its dataset forever, so only a "

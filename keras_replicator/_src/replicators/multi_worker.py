@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -200,15 +199,7 @@ def _leaf_axis(value, axis):
 
 
 def _check_timeout(name: str, value: Any) -> None:
-    if value is not None and (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value < math.inf
-    ):
-        raise ValueError(
-            f"`{name}` must be a positive, finite number or None. "
-            f"Received: {name}={value!r}"
-        )
+    validation.check_positive_number(name, value, allow_none=True, finite=True)
 
 
 class _MultiWorkerExtended(_Extended):

@@ -84,15 +84,7 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
         **kwargs,
     ):
         _validate(inner_optimizer, accumulation_steps, compression)
-        if (
-            isinstance(bytes_per_pack, bool)
-            or not isinstance(bytes_per_pack, int)
-            or bytes_per_pack < 0
-        ):
-            raise ValueError(
-                "`bytes_per_pack` must be a non-negative integer. Received: "
-                f"bytes_per_pack={bytes_per_pack!r}"
-            )
+        validation.check_non_negative_int("bytes_per_pack", bytes_per_pack)
         super().__init__(learning_rate=0.0, name=name, **kwargs)
         self.inner_optimizer = inner_optimizer
         self.accumulation_steps = accumulation_steps

@@ -1,7 +1,7 @@
 """Worker of test_research_api.py: primitives and wrap_optimizer, 2 x 2.
 
 Checks the cross-replica primitives across workers, then trains the model of
-`tests/test_wrap_optimizer.py` with `replicate` + `wrap_optimizer` (with and
+`tests/test_optimizer.py` with `replicate` + `wrap_optimizer` (with and
 without accumulation) and reports the weights.
 """
 
@@ -13,7 +13,7 @@ replicator = kr.MultiWorkerReplicator()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tests import test_wrap_optimizer as reference  # noqa: E402
+from tests import test_optimizer as reference  # noqa: E402
 from tests.multi_worker import harness  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src.training import optimizer as optimizer_lib
-from tests.conftest import assert_weights_close
+from tests.helpers import assert_weights_close
 
 FEATURES = 5
 

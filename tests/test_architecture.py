@@ -1,0 +1,162 @@
+"""The layering rules of the package, checked from its source.
+
+- Every assignment to an attribute of a Keras or TensorFlow module or class
+  (`tf_trainer.TensorFlowTrainer.fit = ...`, `setattr(mdi, ...)`) is in
+  `keras_replicator/_src/patches/`. Instances (a layer, an optimizer) are
+  not patches and are not counted.
+- No two modules of `keras_replicator` import each other in a loop, counting
+  imports inside functions too, and patches never import replicators.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_replicator"
+PATCHES = PACKAGE / "_src" / "patches"
+UPSTREAM = ("keras", "tensorflow", "tf_keras")
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def _upstream_names(tree):
+    """Names bound to Keras/TF modules or their objects by imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in UPSTREAM:
+                    names.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in UPSTREAM:
+                names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _root(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.value if not isinstance(node, ast.Call) else node.func
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _upstream_assignments(path):
+    tree = ast.parse(path.read_text())
+    upstream = _upstream_names(tree)
+    # Module-level aliases of upstream objects: `_Trainer = tf_trainer.X`.
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and _root(node.value) in upstream:
+            upstream.update(
+                t.id for t in node.targets if isinstance(t, ast.Name)
+            )
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = getattr(node, "targets", None) or [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and node.args
+        ):
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for target in targets:
+            if isinstance(target, ast.Attribute) and _root(target) in upstream:
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_only_patches_assign_keras_or_tensorflow_attributes():
+    outside = [
+        hit
+        for name, path in _modules()
+        if PATCHES not in path.parents
+        for hit in _upstream_assignments(path)
+    ]
+    assert not outside, f"move these into _src/patches/: {outside}"
+
+
+def test_the_check_sees_the_patches_themselves(tmp_path):
+    # The patch modules only name their targets (the registry assigns), so
+    # the registry is where the scan must find an assignment.
+    assert _upstream_assignments(PATCHES / "registry.py") == []
+    sample = PATCHES.parent / "core" / "traits.py"
+    assert _upstream_assignments(sample) == []
+    source = "import keras\nkeras.Model.fit = None\nsetattr(keras, 'x', 1)\n"
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    assert len(_upstream_assignments(probe)) == 2
+
+
+def _imports():
+    known = dict(_modules())
+    graph = {}
+    for name, path in known.items():
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                if node.level:
+                    parent = name if is_package else name.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        parent = parent.rpartition(".")[0]
+                    base = f"{parent}.{node.module}"
+                for alias in node.names:
+                    # `from pkg import module` needs the module; `from
+                    # module import name` needs the module itself.
+                    sub = f"{base}.{alias.name}"
+                    edges.add(sub if sub in known else base)
+        graph[name] = {e for e in edges if e in known and e != name}
+    return graph
+
+
+def _cycle(graph):
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state:
+                found = visit(nxt, [*stack, nxt])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+# A package's __init__ re-exports its modules: `pkg` -> `pkg.mod` edges are
+# the facade, not a loop, as long as `pkg.mod` does not import `pkg` back.
+def test_no_import_cycles_inside_the_package():
+    graph = _imports()
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+@pytest.mark.parametrize("name", ["patches", "core", "collectives"])
+def test_lower_layers_never_import_replicators(name):
+    graph = _imports()
+    prefix = f"keras_replicator._src.{name}"
+    for module, edges in graph.items():
+        if module == prefix or module.startswith(prefix + "."):
+            upward = [e for e in edges if ".replicators" in e]
+            assert not upward, f"{module} imports {upward}"
