@@ -132,6 +132,25 @@ def test_auto_chooses_multi_worker_under_a_cluster(monkeypatch):
     assert auto.choose().backend == "LocalReplicator"
 
 
+def test_auto_without_a_cluster_picks_one_process_with_every_cpu_replica(
+    monkeypatch,
+):
+    for name in ("TF_CONFIG", "SLURM_JOB_ID", "TPU_NAME", "COLAB_TPU_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KERAS_REPLICATOR_CPU_REPLICAS", raising=False)
+    monkeypatch.setattr(auto.devices_lib.os, "cpu_count", lambda: 16)
+    choice = auto.choose()
+    # A 16-core host: one process with 8 replicas (the logical-CPU cap).
+    assert (choice.backend, choice.kwargs) == (
+        "LocalReplicator",
+        {"num_replicas": 8},
+    )
+    assert "one process with every replica" in choice.reason
+    assert "1.34x" in choice.reason
+    monkeypatch.setenv("KERAS_REPLICATOR_CPU_REPLICAS", "3")
+    assert auto.choose().kwargs == {"num_replicas": 3}
+
+
 def test_tf_config_command_prints_a_valid_config(capsys):
     assert (
         cli.main(["tf-config", "--hosts", "h1:22,h2:22", "--index", "1"]) == 0

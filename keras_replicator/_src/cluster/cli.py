@@ -53,10 +53,16 @@ def _env(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from keras_replicator._src.cluster import launch
+    from keras_replicator._src.cluster import layout
 
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
+    hint = command and layout.launch_hint(
+        command, args.workers, args.replicas_per_worker, args.ps
+    )
+    if hint:
+        print(hint, flush=True)
     try:
         return launch.launch(
             command,

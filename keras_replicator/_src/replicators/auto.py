@@ -8,7 +8,15 @@ from typing import Any
 import tensorflow as tf
 
 from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import layout
 from keras_replicator._src.core import devices as devices_lib
+
+# Why one host gets one process, in `keras-replicator env`'s explanation.
+_ONE_PROCESS = (
+    "one process with every replica, not a worker process per replica: "
+    "replicas in one process all-reduce in memory, worker processes over "
+    "gRPC (" + layout.MEASURED + ")"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +72,7 @@ def choose() -> Choice:
         return Choice(
             "LocalReplicator",
             {"num_replicas": len(gpus)},
-            f"found {len(gpus)} local GPU(s): {gpus}",
+            f"found {len(gpus)} local GPU(s): {gpus}; {_ONE_PROCESS}",
         )
     count = devices_lib.default_cpu_replicas()
     return Choice(
@@ -72,7 +80,7 @@ def choose() -> Choice:
         {"num_replicas": count},
         f"no GPU, TPU or cluster found; {count} CPU replica(s) from "
         "KERAS_REPLICATOR_CPU_REPLICAS or the CPU core count (at most "
-        f"{devices_lib.MIN_LOGICAL_CPUS})",
+        f"{devices_lib.MIN_LOGICAL_CPUS}); {_ONE_PROCESS}",
     )
 
 
