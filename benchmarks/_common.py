@@ -5,16 +5,53 @@ The machine is noisy (two identical epochs on CPU replicas have differed by
 per-pair ratios with their min and max.
 """
 
+import datetime
 import os
 import platform
 import statistics
+import subprocess
 import time
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def machine() -> str:
     return (
-        f"{platform.node()}: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, Python {platform.python_version()}"
+        f"{platform.node()}: {cpu_model()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def commit() -> str:
+    """`git rev-parse --short HEAD` of this checkout, or "unknown"."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def label() -> str:
+    """Date, commit and machine: the line every result is labelled with."""
+    return (
+        f"date {datetime.date.today().isoformat()}, commit {commit()}, "
+        f"machine {machine()}"
     )
 
 
