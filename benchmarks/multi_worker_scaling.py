@@ -38,7 +38,7 @@ examples/sec against W with the ideal line (the README embeds
     python benchmarks/multi_worker_scaling.py --workers 1,2 --pairs 8
     python benchmarks/multi_worker_scaling.py --workers 1,2,4,8 \\
         --plot benchmarks/scaling.png
-    python benchmarks/multi_worker_scaling.py --smoke   # seconds, no numbers
+    python benchmarks/multi_worker_scaling.py --smoke  # minutes, no numbers
 """
 
 import argparse
