@@ -12,6 +12,7 @@ from keras_replicator import callbacks
 from keras_replicator import data
 from keras_replicator import layers
 from keras_replicator._src.cluster.config import ClusterConfig
+from keras_replicator._src.core import devices as _devices
 from keras_replicator._src.core.devices import configure_cpu_replicas
 from keras_replicator._src.primitives import all_gather
 from keras_replicator._src.primitives import all_max
@@ -31,6 +32,12 @@ from keras_replicator._src.replicators.tpu import TpuReplicator
 from keras_replicator._src.training.optimizer import ReplicatedOptimizer
 
 __version__ = "0.1.0.dev0"
+
+# Imported before TensorFlow's first op, split the CPU into logical devices
+# now, so CPU replicas can be created later, after other TensorFlow code
+# (`KERAS_REPLICATOR_SPLIT_CPU=0` turns it off; see
+# `_devices.split_cpu_at_import`).
+_devices.split_cpu_at_import()
 
 __all__ = (
     "AsyncReplicator",

@@ -24,11 +24,14 @@ _CPU_REPLICAS_ENV = env.CPU_REPLICAS
 
 _TOO_LATE = (
     "TensorFlow has already initialised its devices with {have} logical "
-    "CPU device(s), and {want} CPU replicas need {want}. Devices can only be "
-    "split before TensorFlow runs its first op. Call "
-    "`keras_replicator.configure_cpu_replicas({want})` (or create the "
-    "replicator) at the very start of the program or notebook, before other "
-    "TensorFlow or Keras code, then restart the program or kernel."
+    "CPU device(s), and {want} CPU replicas need {want}: TensorFlow ran an "
+    "op before keras_replicator could split the CPU, and devices can only "
+    "be split before the first op. Fix: put `import keras_replicator` "
+    "(which splits the CPU into {min_cpus} logical devices when it is "
+    "imported first) or `keras_replicator.configure_cpu_replicas({want})` "
+    "at the very start of the program or notebook, before other TensorFlow "
+    "or Keras code runs, then restart the program or kernel. Received: "
+    "num_replicas={want}, logical CPU devices={have}"
 )
 
 
@@ -68,8 +71,61 @@ def configure_cpu_replicas(num_replicas: int) -> int:
         if have >= num_replicas:
             return have
         raise RuntimeError(
-            _TOO_LATE.format(have=have, want=num_replicas)
+            _TOO_LATE.format(
+                have=have, want=num_replicas, min_cpus=MIN_LOGICAL_CPUS
+            )
         ) from None
+
+
+def runtime_started() -> bool:
+    """True once TensorFlow's eager runtime is up (its first op ran).
+
+    Asking does not start it, unlike `tf.config.list_logical_devices`.
+    """
+    from tensorflow.python.eager import context
+
+    # Private, but the only way to ask without starting the runtime.
+    return context.context()._context_handle is not None  # noqa: SLF001
+
+
+def split_cpu_at_import() -> int | None:
+    """Splits the CPU into logical devices if TensorFlow has not started.
+
+    `import keras_replicator` calls it, so that a program that imports
+    keras_replicator before it runs any TensorFlow op can create
+    `LocalReplicator`s of up to `MIN_LOGICAL_CPUS` (or
+    `KERAS_REPLICATOR_CPU_REPLICAS`) CPU replicas at any later point, after
+    a one-device reference model for instance. Logical CPU devices share one
+    thread pool, so code that uses only `CPU:0` runs as before.
+
+    It does nothing when TensorFlow's runtime is already up (too late), when
+    the host has a GPU (replicas are GPUs then), when the CPU's logical
+    devices were already configured, or when `KERAS_REPLICATOR_SPLIT_CPU=0`.
+
+    Returns:
+        The number of logical CPU devices made, or None if it did nothing.
+    """
+    if os.environ.get(env.SPLIT_CPU_AT_IMPORT, "1") == "0":
+        return None
+    if runtime_started():
+        return None
+    if tf.config.list_physical_devices("GPU"):
+        return None
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if tf.config.get_logical_device_configuration(cpu):
+        return None
+    try:
+        want = max(default_cpu_replicas(), MIN_LOGICAL_CPUS)
+    except ValueError:
+        # A bad KERAS_REPLICATOR_CPU_REPLICAS is reported where it is used.
+        want = MIN_LOGICAL_CPUS
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * want
+        )
+    except RuntimeError:
+        return None
+    return want
 
 
 def default_cpu_replicas() -> int:

@@ -8,3 +8,9 @@ PORT = "KERAS_REPLICATOR_PORT"
 HOST = "KERAS_REPLICATOR_HOST"
 # TensorFlow's cluster description.
 TF_CONFIG = "TF_CONFIG"
+# "0" stops `import keras_replicator` from splitting the CPU into logical
+# devices (core/devices.split_cpu_at_import).
+SPLIT_CPU_AT_IMPORT = "KERAS_REPLICATOR_SPLIT_CPU"
+# `kr.launch` workers: the pickled function and where its result goes.
+LAUNCH_PAYLOAD = "KERAS_REPLICATOR_LAUNCH_PAYLOAD"
+LAUNCH_RESULT = "KERAS_REPLICATOR_LAUNCH_RESULT"

@@ -90,6 +90,7 @@ class MultiWorkerReplicator(
                 "MultiWorkerReplicator runs on the chief and worker tasks. "
                 f"Received: task.type={config.task_type!r}"
             )
+        _check_collectives_configurable(config)
         self._cluster_config = config
         self._timeout_seconds = timeout_seconds
         self._collective_timeout_seconds = collective_timeout_seconds
@@ -185,6 +186,39 @@ class MultiWorkerReplicator(
     def collective_timeout_seconds(self) -> float | None:
         """The bound on each collective in seconds (None: none)."""
         return self._collective_timeout_seconds
+
+
+def _check_collectives_configurable(config: cluster_lib.ClusterConfig):
+    """Raises if TensorFlow started before its collectives were configured.
+
+    TensorFlow configures cross-worker collectives (and starts this
+    worker's server) only before its runtime starts; otherwise it raises a
+    bare "Collective ops must be configured at program startup".
+
+    Raises:
+        RuntimeError: Naming the cause and the fix.
+    """
+    from tensorflow.python.eager import context
+
+    # Configured by an earlier MultiWorkerReplicator here: that one ran
+    # before the first op, and later replicators reuse its set-up.
+    configured = context.context()._collective_leader is not None  # noqa: SLF001
+    if configured or not devices_lib.runtime_started():
+        return
+    raise RuntimeError(
+        "MultiWorkerReplicator() must be created before TensorFlow runs its "
+        "first op: it configures TensorFlow's cross-worker collectives, "
+        "which TensorFlow allows only at program start-up, and this program "
+        "already ran TensorFlow code (a tensor, a dataset, a model or "
+        "a one-device reference run). `import keras_replicator` first is not "
+        "enough here: the cluster is set up when the replicator is created. "
+        "Fix: create the replicator (`kr.MultiWorkerReplicator()` or "
+        "`kr.auto()`) right after the imports, then run other TensorFlow "
+        "code, one-device references included (outside "
+        "`replicator.scope()` they run on this worker alone). Received: "
+        "TensorFlow already started on task "
+        f"{config.task_type}:{config.task_index}"
+    )
 
 
 def _leaf_axis(value, axis):
