@@ -16,6 +16,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 import keras_replicator as kr
 from keras_replicator._src import patches
+from keras_replicator._src.data import worker_shards
 from keras_replicator._src.patches import registry
 from keras_replicator._src.replicators import async_data
 from keras_replicator._src.replicators import async_errors
@@ -121,19 +122,60 @@ def test_source_rejects_a_distributed_dataset():
         async_data.Source(distributed)
 
 
-def test_distribute_says_what_to_pass_fit_instead():
-    # `distribute` must raise before it touches the replicator, so an
-    # instance without a cluster (no __init__) is enough to test it.
-    replicator = async_ps.AsyncReplicator.__new__(async_ps.AsyncReplicator)
-    examples = tf.data.Dataset.from_tensor_slices(np.zeros((8, 3)))
-    with pytest.raises(NotImplementedError) as info:
-        replicator.distribute(examples, 4, shuffle_seed=0)
-    message = str(info.value)
-    assert "tf.data.Dataset of batches" in message
-    assert "input_fn(ctx)" in message
-    assert "`batch_size`" in message
-    assert "Received: dataset_or_input_fn=<" in message
-    assert message.endswith("global_batch_size=4")
+def test_worker_input_counts_one_pass_and_evaluates_every_example_once():
+    x = np.arange(10, dtype="float32").reshape(10, 1)
+    examples = tf.data.Dataset.from_tensor_slices((x, x[:, 0] * 2))
+    train = worker_shards.WorkerShardedInput(examples, 4)
+    # 10 examples in steps of 4 (one step, one worker): 2 full steps.
+    assert train.examples == 10 and train.steps_per_epoch == 2
+    evaluation = worker_shards.WorkerShardedInput(examples, 4, mode="eval")
+    assert evaluation.steps_per_epoch == 3
+    batches = list(evaluation.local_dataset())
+    assert [len(b[0]) for b in batches] == [4, 4, 2]
+    assert float(sum(tf.reduce_sum(b[2]) for b in batches)) == 10.0
+    # Rebuilt from the graph sent to the workers: the same examples.
+    rebuilt = [float(e[0][0]) for e in train.examples_dataset()]
+    assert rebuilt == [float(i) for i in range(10)]
+    assert async_data.Source(train).steps_per_epoch == 2
+
+
+def test_worker_input_from_shard_keeps_its_options():
+    examples = tf.data.Dataset.range(8)
+    sharded = kr.data.shard(examples, 4, shuffle_seed=3, mode="train")
+    source = async_data.Source(sharded)
+    assert source.examples.global_batch_size == 4
+    assert source.examples.shuffle_seed == 3
+    assert source.steps_per_epoch == 2
+
+
+def test_worker_input_rejects_bad_arguments():
+    examples = tf.data.Dataset.range(8)
+    with pytest.raises(ValueError, match="Received: mode='test'"):
+        worker_shards.WorkerShardedInput(examples, 4, mode="test")
+    with pytest.raises(ValueError, match="Received: global_batch_size=0"):
+        worker_shards.WorkerShardedInput(examples, 0)
+    with pytest.raises(TypeError, match="Received: dataset_or_input_fn=3"):
+        worker_shards.WorkerShardedInput(3, 4)
+    with pytest.raises(ValueError, match="Received: y="):
+        async_data.Source(
+            worker_shards.WorkerShardedInput(examples, 4), y=np.zeros(8)
+        )
+
+
+def test_fit_of_unknown_size_names_both_fixes():
+    model = _compiled_model()
+    unknown = tf.data.Dataset.range(8).filter(lambda i: i > 0)
+    with pytest.raises(ValueError) as info:
+        async_training.fit(
+            model,
+            None,
+            x=worker_shards.WorkerShardedInput(unknown, 4),
+            epochs=1,
+        )
+    assert "replicator.distribute(examples, global_batch_size)" in str(
+        info.value
+    )
+    assert str(info.value).endswith("Received: steps_per_epoch=None")
 
 
 class _FakeRemoteValue:

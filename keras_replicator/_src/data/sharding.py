@@ -174,6 +174,16 @@ class ShardedInput:
         self.policies: dict[int, str] = {}
         self.steps_per_epoch: int | None = None
 
+    @property
+    def source(self) -> Source:
+        """The dataset of examples, or the function making it."""
+        return self._source
+
+    @property
+    def shuffle_buffer_size(self) -> int:
+        """The shuffle buffer, in examples."""
+        return self._buffer
+
     def __call__(self, ctx: tf.distribute.InputContext) -> tf.data.Dataset:
         """Builds one input pipeline's dataset of per-replica batches.
 

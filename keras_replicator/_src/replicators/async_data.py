@@ -15,6 +15,9 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from keras_replicator._src.data import sharding
+from keras_replicator._src.data import worker_shards
+
 # Keras' default batch size for arrays.
 _DEFAULT_BATCH_SIZE = 32
 
@@ -45,7 +48,19 @@ class Source:
                 "batches, an input_fn(ctx) returning one, or arrays. "
                 "Received: x=None"
             )
-        self.dataset = self.input_fn = self.arrays = None
+        self.dataset = self.input_fn = self.arrays = self.examples = None
+        if isinstance(x, sharding.ShardedInput):
+            # `kr.data.shard(...)`: the same examples and options, with the
+            # parameter-server meaning of the batch (worker_shards.py).
+            x = worker_shards.WorkerShardedInput.from_sharded_input(x)
+        if isinstance(x, worker_shards.WorkerShardedInput):
+            _check_none_with(
+                y=y, batch_size=batch_size, sample_weight=sample_weight
+            )
+            self.examples = x
+            self.batch_size = x.global_batch_size
+            self.shuffle = shuffle
+            return
         if isinstance(x, tf.distribute.DistributedDataset):
             # Otherwise taken for an array, failing deep in Keras.
             raise ValueError(
@@ -55,17 +70,9 @@ class Source:
                 f"Received: x={x!r}"
             )
         if isinstance(x, tf.data.Dataset) or callable(x):
-            for name, value in (
-                ("y", y),
-                ("batch_size", batch_size),
-                ("sample_weight", sample_weight),
-            ):
-                if value is not None:
-                    raise ValueError(
-                        f"`{name}` must be None when `x` is a dataset or an "
-                        f"input_fn; put it in the dataset. Received: "
-                        f"{name}={value!r}"
-                    )
+            _check_none_with(
+                y=y, batch_size=batch_size, sample_weight=sample_weight
+            )
             if isinstance(x, tf.data.Dataset):
                 self.dataset = x
             else:
@@ -78,8 +85,17 @@ class Source:
         self.batch_size = batch_size or _DEFAULT_BATCH_SIZE
         self.shuffle = shuffle
 
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Steps of one pass over the examples, when known, else None."""
+        if self.examples is not None:
+            return self.examples.steps_per_epoch
+        return None
+
     def element_spec(self):
         """The structure, shapes and dtypes of one batch."""
+        if self.examples is not None:
+            return self.examples.local_dataset().element_spec
         if self.dataset is not None:
             return self.dataset.element_spec
         if self.input_fn is not None:
@@ -101,6 +117,13 @@ class Source:
             `iter()` of it is the argument of the scheduled steps.
         """
         coordinator = replicator.coordinator
+        if self.examples is not None:
+            examples, workers = self.examples, replicator.num_workers
+            return coordinator.create_per_worker_dataset(
+                lambda: replicator.distribute_datasets_from_function(
+                    lambda ctx: examples.worker_dataset(ctx, workers)
+                )
+            )
         if self.input_fn is not None:
 
             def dataset_fn(ctx):
@@ -133,6 +156,8 @@ class Source:
 
     def local_dataset(self) -> tf.data.Dataset:
         """The finite data as batches on the coordinator, in order."""
+        if self.examples is not None:
+            return self.examples.local_dataset()
         if self.dataset is not None:
             return self.dataset
         if self.input_fn is not None:
@@ -153,3 +178,13 @@ class Source:
                 f"Received: {name}(ctx) returned {dataset!r}"
             )
         return dataset
+
+
+def _check_none_with(**values):
+    for name, value in values.items():
+        if value is not None:
+            raise ValueError(
+                f"`{name}` must be None when `x` is a dataset, an input_fn "
+                "or `replicator.distribute(...)`'s result; put it in the "
+                f"dataset. Received: {name}={value!r}"
+            )

@@ -23,6 +23,8 @@ import tensorflow as tf
 
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.core import validation
+from keras_replicator._src.data import sharding
+from keras_replicator._src.data import worker_shards
 from keras_replicator._src.replicators import async_training
 from keras_replicator._src.replicators import base
 from keras_replicator._src.training import replicate as replicate_lib
@@ -54,10 +56,15 @@ class AsyncReplicator(
     workers do not wait for each other, so a slow or dead worker does not
     stop training (its steps are rescheduled on the others).
 
-    Under this replicator `model.fit` needs `steps_per_epoch`, and `x` is a
-    `tf.data.Dataset` of batches, an `input_fn(ctx)` returning one, or NumPy
-    arrays with `batch_size`; each worker builds its own copy and iterates
-    it forever (shuffle it without a fixed seed so workers see different
+    `replicator.distribute(examples, global_batch_size)` works as under
+    every replicator, with TensorFlow's parameter-server convention: each
+    step runs on one worker and takes `global_batch_size` examples, and the
+    examples are sharded across the workers (see `distribute`); `model.fit`
+    of it needs no `steps_per_epoch` when the number of examples is known.
+    `x` may also be a `tf.data.Dataset` of batches, an `input_fn(ctx)`
+    returning one, or NumPy arrays with `batch_size` (then pass
+    `steps_per_epoch`); each worker builds its own copy and iterates it
+    forever (shuffle it without a fixed seed so workers see different
     orders). `batch_size` is the batch of one step on one worker.
 
     On a `"worker"` or `"ps"` task the constructor starts the TensorFlow
@@ -199,39 +206,78 @@ class AsyncReplicator(
             self, step_fn, input_fn, reduce, steps_per_call
         )
 
-    def distribute(self, dataset_or_input_fn, global_batch_size, **options):
-        """Not supported: pass `model.fit` batches or an `input_fn` instead.
+    def distribute(
+        self,
+        dataset_or_input_fn: Any,
+        global_batch_size: int,
+        *,
+        shuffle_seed: int | None = None,
+        static_shapes: bool | None = None,
+        mode: str = "train",
+        shuffle_buffer_size: int = sharding.DEFAULT_SHUFFLE_BUFFER_SIZE,
+    ) -> worker_shards.WorkerShardedInput:
+        """Shards, shuffles and batches unbatched examples over the workers.
 
-        The synchronous replicators' `distribute` shards examples into one
-        global batch per step over every replica. Asynchronous steps have no
-        global batch: each worker iterates its own copy of the data, forever,
-        and each step goes to whichever worker is free. `model.fit` (with
-        `steps_per_epoch`) takes a `tf.data.Dataset` of batches, an
-        `input_fn(ctx)` returning one, or NumPy arrays with `batch_size`;
-        `replicate` takes an `input_fn(ctx)`.
+        The same call as under every other replicator, with TensorFlow's
+        parameter-server meaning of the batch: each step runs on one worker
+        and takes `global_batch_size` examples (split over that worker's
+        replicas, its GPUs; 1 replica on CPU). The examples are sharded by
+        element across the workers (worker `i` of `W` reads examples `i`,
+        `i + W`, ...), each worker shuffles its shard with `shuffle_seed`
+        (a new order each pass) and repeats it forever.
+
+        When the number of examples `N` is known (a dataset of known
+        cardinality), `model.fit` needs no `steps_per_epoch`: an epoch is
+        `N // global_batch_size` steps, the updates (of as many examples) of
+        one synchronous epoch. Otherwise pass `steps_per_epoch`.
+        `model.evaluate` of an eval-mode result runs on the chief, over
+        every example exactly once, in batches of `global_batch_size`
+        (with `steps=`, it runs that many steps on the workers instead).
 
         Args:
-            dataset_or_input_fn: Ignored.
-            global_batch_size: Ignored.
-            **options: Ignored.
+            dataset_or_input_fn: A `tf.data.Dataset` of single, unbatched
+                examples (made here: it is sent to the workers as a graph),
+                or a function of a `tf.distribute.InputContext` returning
+                one, called on every worker; its dataset is sharded too.
+            global_batch_size: Examples of one step (on one worker).
+            shuffle_seed: Shuffles each worker's shard with this seed.
+                Defaults to None: the dataset's order.
+            static_shapes: Accepted for scripts that run on every backend;
+                training batches are always full here (the last partial
+                batch of a pass wraps into the next pass) and evaluation
+                runs on the chief, so it changes nothing. Defaults to None.
+            mode: `"train"` or `"eval"` (elements become
+                `(x, y, sample_weight)`). Defaults to `"train"`.
+            shuffle_buffer_size: Shuffle buffer, in examples. Defaults to
+                10,000.
+
+        Returns:
+            A `WorkerShardedInput` for `model.fit`, `evaluate` and
+            `predict` under this replicator.
 
         Raises:
-            NotImplementedError: Always, saying what to pass instead.
+            ValueError: If `mode` or a size is out of range, or
+                `global_batch_size` does not divide over one worker's
+                replicas.
+            TypeError: If `dataset_or_input_fn` is neither a dataset nor
+                callable.
         """
-        # Raise here: the `DistributedDataset` the base method returns reaches
-        # `fit` as if it were an array and fails deep in Keras ("Invalid
-        # input shape ... Expected shape (None, 3), but input has
-        # incompatible shape (None,)").
-        raise NotImplementedError(
-            "AsyncReplicator has no `distribute()`: each worker iterates its "
-            "own copy of the data and every step goes to whichever worker is "
-            "free, so there is no global batch to shard. Pass `model.fit` "
-            "(with `steps_per_epoch`) a tf.data.Dataset of batches, an "
-            "input_fn(ctx) returning one, or NumPy arrays with `batch_size` "
-            "(the batch of one step on one worker), shuffled without a fixed "
-            "seed so that workers see different orders. Received: "
-            f"dataset_or_input_fn={dataset_or_input_fn!r}, "
-            f"global_batch_size={global_batch_size!r}"
+        del static_shapes  # See the docstring.
+        validation.check_positive_int("global_batch_size", global_batch_size)
+        replicas = self.num_replicas_in_sync
+        if global_batch_size % replicas:
+            raise ValueError(
+                "The global batch size (of one step on one worker) must be "
+                f"divisible by the worker's replicas ({replicas}). Received: "
+                f"global_batch_size={global_batch_size}, "
+                f"num_replicas_in_sync={replicas}"
+            )
+        return worker_shards.WorkerShardedInput(
+            dataset_or_input_fn,
+            global_batch_size,
+            shuffle_seed=shuffle_seed,
+            mode=mode,
+            shuffle_buffer_size=shuffle_buffer_size,
         )
 
     def __repr__(self) -> str:
@@ -251,10 +297,22 @@ class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
         self.reduce = reduce
         self.steps_per_call = steps_per_call
         self._step_fn = step_fn
-        checked = replicate_lib._checked_input_fn(input_fn)
+        if isinstance(input_fn, sharding.ShardedInput):
+            input_fn = worker_shards.WorkerShardedInput.from_sharded_input(
+                input_fn
+            )
+        if isinstance(input_fn, worker_shards.WorkerShardedInput):
+            # Sharded over the workers, repeated (see `distribute`).
+            examples, workers = input_fn, strategy.num_workers
 
-        def dataset_fn(ctx):
-            return checked(ctx).repeat()
+            def dataset_fn(ctx):
+                return examples.worker_dataset(ctx, workers)
+
+        else:
+            checked = replicate_lib._checked_input_fn(input_fn)
+
+            def dataset_fn(ctx):
+                return checked(ctx).repeat()
 
         self.dataset = strategy.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn)

@@ -62,6 +62,11 @@ def fit(
             integer, an unsupported argument is set, or `x` is unusable.
     """
     model._assert_compile_called("fit")
+    source = async_data.Source(x, y, batch_size, shuffle=shuffle)
+    if steps_per_epoch is None:
+        # `replicator.distribute(examples, ...)` of a known number of
+        # examples: an epoch is one pass, as under every other replicator.
+        steps_per_epoch = source.steps_per_epoch
     _check_steps("steps_per_epoch", steps_per_epoch, "model.fit")
     for name in _FIT_UNSUPPORTED:
         value = locals()[name]
@@ -70,7 +75,6 @@ def fit(
                 f"`{name}` is not supported under AsyncReplicator; put it in "
                 f"the dataset instead. Received: {name}={value!r}"
             )
-    source = async_data.Source(x, y, batch_size, shuffle=shuffle)
     _build(model, replicator, source)
     iterator = iter(source.per_worker_dataset(replicator))
     train_fn = _step_function(model, replicator, model.train_step)
@@ -215,7 +219,11 @@ def _check_steps(name, value, where):
         raise ValueError(
             f"Under AsyncReplicator, `{where}` needs `{name}` as a positive "
             "integer: each worker iterates its dataset forever, so only a "
-            f"step count ends the loop. Received: {name}={value!r}"
+            "step count ends the loop. Pass it, or pass "
+            "`replicator.distribute(examples, global_batch_size)` of a "
+            "dataset whose number of examples is known (at least one "
+            "global batch): an epoch is then one pass over them. "
+            f"Received: {name}={value!r}"
         )
 
 

@@ -1,0 +1,216 @@
+"""Examples sharded over the workers of an AsyncReplicator.
+
+`AsyncReplicator.distribute(examples, global_batch_size)` (and
+`kr.data.shard(...)` given to `fit` under an AsyncReplicator) follow
+TensorFlow's parameter-server convention: every step runs on ONE worker and
+takes `global_batch_size` examples (split over that worker's replicas, its
+GPUs); the examples are sharded by element across the workers, so worker
+`i` of `W` reads every `W`-th example from the `i`-th; each worker repeats
+its shard forever, and the coordinator decides how many steps an epoch has.
+With a known number of examples `N`, an epoch is `N // global_batch_size`
+steps (as many updates of as many examples as one synchronous epoch).
+
+A dataset made on the coordinator cannot be captured by the workers'
+dataset function (TensorFlow fails with "Unable to parse tensor proto"),
+so it is serialized to a graph once, here, and rebuilt on every worker (as
+`ClusterCoordinator.create_per_worker_dataset` does for a whole dataset).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import tensorflow as tf
+
+# Private, but what `create_per_worker_dataset` itself uses to send a
+# coordinator's dataset to the workers; there is no public equivalent.
+from tensorflow.python.distribute.coordinator import values as _ps_values
+
+from keras_replicator._src.core import validation
+
+_MODES = ("train", "eval")
+
+
+class WorkerShardedInput:
+    """Unbatched examples for an AsyncReplicator's `fit`/`evaluate`.
+
+    Made by `AsyncReplicator.distribute`, or from `kr.data.shard(...)`'s
+    result by `from_sharded_input`. `model.fit`, `evaluate` and `predict`
+    under the AsyncReplicator take it; it is not iterable on the chief.
+
+    Args:
+        source: A `tf.data.Dataset` of single examples, or a function of a
+            `tf.distribute.InputContext` returning one (called on every
+            worker with a context of one input pipeline; the result is then
+            sharded by element over the workers).
+        global_batch_size: Examples of one step on one worker.
+        shuffle_seed: Shuffles each worker's shard with this seed, in a
+            different order each pass; None keeps the order.
+        mode: `"train"` or `"eval"` (elements become `(x, y, weight)`).
+        shuffle_buffer_size: Shuffle buffer, in examples.
+
+    Attributes:
+        global_batch_size: Examples of one step.
+        mode: `"train"` or `"eval"`.
+        examples: The number of examples if known without reading them
+            (a dataset of known cardinality), else None.
+        steps_per_epoch: Steps of one pass over the examples when known:
+            `examples // global_batch_size` in training, rounded up in eval.
+
+    Raises:
+        ValueError: If `mode` or a size is out of range.
+        TypeError: If `source` is neither a dataset nor callable.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        global_batch_size: int,
+        *,
+        shuffle_seed: int | None = None,
+        mode: str = "train",
+        shuffle_buffer_size: int = 10_000,
+    ):
+        if mode not in _MODES:
+            raise ValueError(
+                f"`mode` must be one of {_MODES}. Received: mode={mode!r}"
+            )
+        validation.check_positive_int("global_batch_size", global_batch_size)
+        validation.check_positive_int(
+            "shuffle_buffer_size", shuffle_buffer_size
+        )
+        if not isinstance(source, tf.data.Dataset) and not callable(source):
+            raise TypeError(
+                "`dataset_or_input_fn` must be a tf.data.Dataset or a "
+                "function taking a tf.distribute.InputContext. Received: "
+                f"dataset_or_input_fn={source!r}"
+            )
+        self._source = source
+        self.global_batch_size = global_batch_size
+        self.shuffle_seed = shuffle_seed
+        self.mode = mode
+        self._buffer = shuffle_buffer_size
+        self._graph = self._spec = None
+        self.examples = None
+        if isinstance(source, tf.data.Dataset):
+            self._graph = _ps_values.serialize_dataset_to_graph(source)
+            self._spec = source.element_spec
+            cardinality = int(source.cardinality())
+            if cardinality >= 0:
+                self.examples = cardinality
+        self.steps_per_epoch = None
+        if self.examples is not None:
+            if mode == "train":
+                self.steps_per_epoch = self.examples // global_batch_size
+            else:
+                self.steps_per_epoch = math.ceil(
+                    self.examples / global_batch_size
+                )
+
+    def examples_dataset(
+        self, ctx: tf.distribute.InputContext | None = None
+    ) -> tf.data.Dataset:
+        """All the examples, unbatched, in order (rebuilt from the graph).
+
+        Args:
+            ctx: The context for a source function. Defaults to one
+                pipeline and one replica.
+
+        Returns:
+            A `tf.data.Dataset` of single examples.
+
+        Raises:
+            TypeError: If a source function does not return a dataset.
+        """
+        if self._graph is not None:
+            return _ps_values.deserialize_dataset_from_graph(
+                self._graph, self._spec
+            )
+        dataset = self._source(ctx or tf.distribute.InputContext())
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                "The input function must return a tf.data.Dataset of "
+                f"unbatched examples. Received: {dataset!r}"
+            )
+        return dataset
+
+    def worker_dataset(
+        self, ctx: tf.distribute.InputContext, num_workers: int
+    ) -> tf.data.Dataset:
+        """This worker's shard as per-replica batches, repeated forever.
+
+        Call it on a worker, in the dataset function of
+        `ClusterCoordinator.create_per_worker_dataset`: the worker's index
+        is read there (`experimental_get_current_worker_index`).
+
+        Args:
+            ctx: The `tf.distribute.InputContext` of the worker's pipeline;
+                its replicas split each step's batch.
+            num_workers: The number of worker tasks.
+
+        Returns:
+            A `tf.data.Dataset` of per-replica batches, infinite.
+        """
+        dataset = self.examples_dataset(
+            tf.distribute.InputContext(
+                num_replicas_in_sync=ctx.num_replicas_in_sync
+            )
+        )
+        coordinator = tf.distribute.coordinator
+        index = coordinator.experimental_get_current_worker_index()
+        dataset = dataset.shard(num_workers, tf.cast(index, tf.int64))
+        if self.mode == "eval":
+            dataset = dataset.map(_with_weight)
+        elif self.shuffle_seed is not None:
+            dataset = dataset.shuffle(
+                self._buffer,
+                seed=self.shuffle_seed,
+                reshuffle_each_iteration=True,
+            )
+        batch = ctx.get_per_replica_batch_size(self.global_batch_size)
+        return dataset.repeat().batch(batch, drop_remainder=True)
+
+    def local_dataset(self) -> tf.data.Dataset:
+        """Every example once, in order, in batches, on the coordinator.
+
+        What exact evaluation and prediction run on: no sharding and no
+        padding (one process, one pass), the last batch may be short.
+
+        Returns:
+            A finite `tf.data.Dataset` of batches.
+        """
+        dataset = self.examples_dataset()
+        if self.mode == "eval":
+            dataset = dataset.map(_with_weight)
+        return dataset.batch(self.global_batch_size)
+
+    @classmethod
+    def from_sharded_input(cls, sharded: Any) -> WorkerShardedInput:
+        """The same examples and options as a `kr.data.shard` result.
+
+        Args:
+            sharded: A `ShardedInput` (what `kr.data.shard` returns).
+
+        Returns:
+            A `WorkerShardedInput`.
+        """
+        return cls(
+            sharded.source,
+            sharded.global_batch_size,
+            shuffle_seed=sharded.shuffle_seed,
+            mode=sharded.mode,
+            shuffle_buffer_size=sharded.shuffle_buffer_size,
+        )
+
+
+def _with_weight(*example):
+    """`(x, y)` to `(x, y, 1.0)`; `(x, y, w)` as it is."""
+    if len(example) == 3:
+        return example
+    if len(example) != 2:
+        raise TypeError(
+            "In eval mode every example must be a tuple (x, y) or "
+            f"(x, y, sample_weight). Received: {len(example)} components"
+        )
+    return (*example, tf.constant(1.0))
