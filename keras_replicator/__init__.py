@@ -12,6 +12,7 @@ from keras_replicator import callbacks
 from keras_replicator import data
 from keras_replicator import layers
 from keras_replicator._src.cluster.config import ClusterConfig
+from keras_replicator._src.cluster.notebook_launch import launch
 from keras_replicator._src.core import devices as _devices
 from keras_replicator._src.core.devices import configure_cpu_replicas
 from keras_replicator._src.primitives import all_gather
@@ -58,6 +59,7 @@ __all__ = (
     "callbacks",
     "configure_cpu_replicas",
     "data",
+    "launch",
     "layers",
     "num_replicas",
     "replica_id",
