@@ -40,4 +40,8 @@ def test_notebook_runs_twice_in_one_kernel(path, tmp_path):
 
 def test_there_are_notebooks():
     names = {p.name for p in NOTEBOOKS}
-    assert {"quickstart.ipynb", "custom_loop.ipynb"} <= names
+    assert {
+        "quickstart.ipynb",
+        "custom_loop.ipynb",
+        "multi_worker.ipynb",
+    } <= names

@@ -2,9 +2,10 @@
 
 `kr.auto()`, `replicator.distribute`, `fit` and `evaluate`, the same file:
 a LocalReplicator (1 process), 2 workers (2 processes) and 2 workers + 1
-parameter server (4 processes). The synchronous runs must give one device's
-weights; every run must count each test example exactly once in evaluate
-and run the same number of steps.
+parameter server (4 processes); the cluster runs come from `kr.launch`.
+The synchronous runs must give one device's weights; every run must count
+each test example exactly once in evaluate and run the same number of
+steps.
 """
 
 import json
@@ -15,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 
-from tests.multi_worker import async_cluster
 from tests.multi_worker import harness
 
 pytestmark = pytest.mark.multi_worker
@@ -90,25 +90,39 @@ def test_runs_on_a_local_replicator(tmp_path):
     _assert_one_device(result)
 
 
+def _run_script(path):
+    """Runs the script as `__main__` in a `kr.launch` process; its result."""
+    import runpy
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        os.environ[harness.RESULT_ENV] = result
+        runpy.run_path(path, run_name="__main__")
+        with open(result) as f:
+            return json.load(f)
+
+
 @pytest.mark.timeout(260)
 def test_runs_on_two_workers():
-    results = harness.run_workers(
-        SCRIPT, num_workers=2, replicas_per_worker=1, timeout=240
-    )
-    for r in results:
-        _check(r.result, "MultiWorkerReplicator")
+    import keras_replicator as kr
+
+    results = kr.launch(_run_script, str(SCRIPT), workers=2)
+    assert len(results) == 2
+    for result in results:
+        _check(result, "MultiWorkerReplicator")
     # Element sharding: worker 0's 32 + worker 1's 32 examples of a step
     # are one device's batch of 64.
-    _assert_one_device(results[0].result)
-    assert results[0].result["weights"] == results[1].result["weights"]
+    _assert_one_device(results[0])
+    assert results[0]["weights"] == results[1]["weights"]
 
 
 @pytest.mark.timeout(300)
 def test_runs_on_two_workers_and_a_parameter_server():
-    chief = async_cluster.run_chief(
-        SCRIPT.read_text(), num_workers=2, num_ps=1, timeout=240
-    )
-    assert chief.returncode == 0 and chief.result, chief.describe()
+    import keras_replicator as kr
+
+    # With parameter servers the script runs on the chief only: one result.
+    (result,) = kr.launch(_run_script, str(SCRIPT), workers=2, ps=1)
     # Asynchronous: not one device's weights, but the same steps (an
     # epoch is one pass: 1437 // 64 steps) and exact evaluation.
-    _check(chief.result, "AsyncReplicator")
+    _check(result, "AsyncReplicator")

@@ -288,7 +288,7 @@ class _Run:
                 f"exit_code={launch_lib._exit_code(record)}"  # noqa: SLF001
             )
         _, blob, text = record
-        cause = RemoteTraceback(f"\n{name} raised:\n\"\"\"\n{text}\"\"\"")
+        cause = RemoteTraceback(f'\n{name} raised:\n"""\n{text}"""')
         error = None
         if blob is not None:
             try:
