@@ -93,8 +93,10 @@ def shard(
     Raises:
         ValueError: If `mode` is unknown, a size is not a positive integer,
             or `global_batch_size` is not divisible by the replicas of the
-            strategy in scope; when called, under `AsyncReplicator`, if the
-            source is a dataset rather than a function.
+            strategy in scope; when called by a `ParameterServerStrategy`'s
+            own `distribute_datasets_from_function`, if the source is a
+            dataset rather than a function (give the result to `model.fit`
+            or use `replicator.distribute` instead).
         TypeError: If `dataset_or_input_fn` is neither a dataset nor callable.
     """
     if mode not in _MODES:
@@ -262,9 +264,13 @@ class ShardedInput:
             # made on the chief fails there with "Failed copying input
             # tensor ... Unable to parse tensor proto".
             raise ValueError(
-                "Under AsyncReplicator each worker builds its own input "
-                "pipeline, so `kr.data.shard` needs a function that makes "
-                "the dataset, not a dataset made here: "
+                "Under a parameter-server strategy each worker builds its "
+                "own input pipeline in a tf.function, which cannot capture "
+                "a dataset made here. Give `kr.data.shard(...)`'s result to "
+                "`model.fit` or `replicator.replicate` under AsyncReplicator "
+                "(they send the dataset to the workers), use "
+                "`replicator.distribute(...)`, or pass a function that "
+                "makes the dataset: "
                 "`kr.data.shard(lambda ctx: make_dataset(), ...)`. Received: "
                 f"dataset_or_input_fn={self._source!r}"
             )
