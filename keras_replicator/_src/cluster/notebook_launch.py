@@ -107,8 +107,10 @@ def launch(
         *args: Positional arguments for `fn`.
         workers: Worker processes, at least 1. Defaults to 2.
         replicas_per_worker: CPU replicas per worker (sets
-            `KERAS_REPLICATOR_CPU_REPLICAS`). Defaults to None: 1 CPU
-            replica per worker, or its GPUs.
+            `KERAS_REPLICATOR_CPU_REPLICAS`). Defaults to None: the
+            caller's `KERAS_REPLICATOR_CPU_REPLICAS` if set, else 1 CPU
+            replica per worker (or its GPUs; every worker sees every GPU
+            of the host, untested here).
         ps: Parameter servers. Defaults to 0 (synchronous workers).
         **kwargs: Keyword arguments for `fn`.
 
