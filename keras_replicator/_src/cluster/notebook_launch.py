@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -321,7 +322,14 @@ class _Run:
 
     def end(self) -> None:
         """Ends every process (SIGTERM, then SIGKILL after 5 s)."""
-        launch_lib._end_all(self.procs)  # noqa: SLF001
+        try:
+            launch_lib._end_all(self.procs)  # noqa: SLF001
+        except KeyboardInterrupt:
+            # Interrupted again while waiting for them: kill at once.
+            for proc in self.procs:
+                launch_lib._signal_group(proc, signal.SIGKILL)  # noqa: SLF001
+                proc.wait()
+            raise
         for proc in self.procs:
             if proc.stdin:
                 proc.stdin.close()
