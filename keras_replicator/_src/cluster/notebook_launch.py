@@ -134,10 +134,7 @@ def launch(
     validation.check_positive_int(
         "replicas_per_worker", replicas_per_worker, allow_none=True
     )
-    if not validation.is_int(ps) or ps < 0:
-        raise ValueError(
-            f"`ps` must be a non-negative integer. Received: ps={ps!r}"
-        )
+    validation.check_non_negative_int("ps", ps)
     try:
         payload = cloudpickle.dumps((fn, args, kwargs))
     except Exception as error:  # noqa: BLE001 - many pickling errors exist
