@@ -96,6 +96,13 @@ with_none = replicator.replicate(
     lambda b: {"sum": tf.reduce_sum(b), "none": None}, input_fn,
     reduce="sum", steps_per_call=2)().fetch()
 
+# replicate() of kr.data.shard(a dataset made here): sharded by element
+# over the workers, so a batch of 2 is odd+odd (worker 0) or even+even
+# (worker 1); unsharded, the first batch would be 1 + 2.
+numbers = tf.data.Dataset.range(1, 11).map(lambda i: tf.cast(i, tf.float32))
+shard_step = replicator.replicate(tf.reduce_sum, kr.data.shard(numbers, 2))
+shard_sums = [float(r.fetch()) for r in [shard_step() for _ in range(12)]]
+
 iterations = int(model.optimizer.iterations.numpy())
 # kr.data.shard: a function that makes the dataset works, and so does a
 # dataset made here (sent to the workers as a graph); with a known number
@@ -112,6 +119,7 @@ harness.write_result({
     "sharded_loss": sharded.history["loss"],
     "sharded_dataset_loss": sharded_dataset.history["loss"],
     "one_pass_steps": one_pass_steps,
+    "shard_sums": shard_sums,
     "sync_accuracy": sync_acc["accuracy"],
     "accuracy": exact["accuracy"],
     "after_shard_eval": after_shard_eval,
@@ -203,6 +211,8 @@ def test_fit_matches_synchronous_accuracy_and_counts_every_step():
     assert r["with_none"][0] in range(1, 11) and r["with_none"][1] is None
     assert len(r["sharded_loss"]) == 1 and r["sharded_loss"][0] < 0.5, r
     assert r["one_pass_steps"] == 1437 // BATCH
+    assert len(r["shard_sums"]) == 12
+    assert all(v % 2 == 0 for v in r["shard_sums"]), r["shard_sums"]
     assert r["sharded_dataset_loss"][0] < 0.5, r
 
 
