@@ -14,7 +14,9 @@ Agreeing costs one collective, so multi-worker fit does not ask every step:
 one all-reduce of two numbers, the flag and each worker's estimate of how
 many steps take `KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS` (default 1),
 also picks the step of the next check, identically on every worker. A
-signal is acted on within about that time plus one step. A single process
+signal is acted on within about that time plus one step, as long as steps
+take about as long as at the previous check (intervals are at most 100
+steps and at most double from one check to the next). A single process
 checks its flag every step, for free.
 
 Outside `fit` the handlers are not installed. A signal that arrives during
@@ -45,8 +47,9 @@ DEFAULT_CHECK_SECONDS = 1.0
 # A process that stopped for preemption but has not exited after this many
 # seconds (a stuck `finally`, a collective at interpreter exit) is ended.
 _EXIT_DEADLINE_SECONDS = 20.0
-# The longest interval between checks, in steps, however fast the steps.
-_MAX_INTERVAL = 10_000
+# The longest interval between checks, in steps, however fast the steps;
+# intervals also at most double from one check to the next.
+_MAX_INTERVAL = 100
 
 
 def signals_from_env() -> tuple[signal.Signals, ...]:
@@ -138,13 +141,22 @@ def handling() -> Iterator[None]:
         signal.signal(sig, _handler)
     try:
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if previous and _flag.signum in previous:
-            # Received, but fit ended before acting on it: deliver it again.
-            signum, _flag.signum = _flag.signum, None
-            signal.raise_signal(signum)
+    except BaseException:
+        # An error ends the fit: it, not a re-delivered signal, reports.
+        _restore(previous)
+        if previous:
+            _flag.signum = None
+        raise
+    _restore(previous)
+    if previous and _flag.signum is not None:
+        # Received, but fit ended before acting on it: deliver it again.
+        signum, _flag.signum = _flag.signum, None
+        signal.raise_signal(signum)
+
+
+def _restore(previous) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def _handler(signum, frame):
@@ -166,6 +178,7 @@ class Agreement:
         self._seconds = check_seconds_from_env()
         self._steps = 0
         self._next_check = 1
+        self._interval = 1
         self._since = time.monotonic()
         self._since_step = 0
 
@@ -190,8 +203,10 @@ class Agreement:
             self._strategy, local, self._workers
         )
         # The same sum on every worker, so the same next step everywhere.
-        interval = max(1, int(total[1] // self._workers))
-        self._next_check = self._steps + interval
+        self._interval = max(
+            1, min(int(total[1] // self._workers), 2 * self._interval)
+        )
+        self._next_check = self._steps + self._interval
         self._since, self._since_step = time.monotonic(), self._steps
         return bool(total[0] > 0)
 
@@ -208,7 +223,19 @@ def leave(message: str) -> None:
     _flag.signum = None
     print(f"[keras-replicator] {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    timer = threading.Timer(_EXIT_DEADLINE_SECONDS, os._exit, (EXIT_CODE,))
-    timer.daemon = True
-    timer.start()
+    global _exit_deadline
+    _exit_deadline = threading.Timer(
+        _EXIT_DEADLINE_SECONDS, os._exit, (EXIT_CODE,)
+    )
+    _exit_deadline.daemon = True
+    _exit_deadline.start()
     raise SystemExit(EXIT_CODE)
+
+
+_exit_deadline: threading.Timer | None = None
+
+
+def cancel_exit_deadline() -> None:
+    """Keeps a process that caught `leave`'s SystemExit alive (tests)."""
+    if _exit_deadline is not None:
+        _exit_deadline.cancel()
