@@ -18,7 +18,7 @@ environment adds test instrumentation:
   then the process kills itself with SIGKILL (killed mid-backup).
 
 At the end it reports its final weights and the (epoch, batch) of every
-step it trained.
+step it trained (only the steps, when preempted).
 """
 
 import os
@@ -84,7 +84,12 @@ backup = keras.callbacks.BackupAndRestore(
     backup_dir, save_freq=int(save_freq) if save_freq else "epoch"
 )
 probe = ref.Probe(_at_step)
-model.fit(**inputs, epochs=ref.EPOCHS, callbacks=[backup, probe], verbose=0)
+try:
+    model.fit(**inputs, epochs=ref.EPOCHS, callbacks=[backup, probe], verbose=0)
+except SystemExit:
+    # Preempted: what it trained before it stopped.
+    harness.write_result({"trained": probe.trained, "preempted": True})
+    raise
 harness.write_result(
     {
         "weights": [w.tolist() for w in model.get_weights()],
