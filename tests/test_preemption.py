@@ -22,7 +22,7 @@ import keras_replicator as kr
 from keras_replicator._src.cluster import launch
 from keras_replicator._src.core import env
 from keras_replicator._src.training import preemption
-from tests.conftest import assert_weights_close
+from tests.helpers import assert_weights_close
 from tests.multi_worker import preempt_reference as ref
 
 STOP_AT = 11  # step 3 of the second epoch
