@@ -377,7 +377,7 @@ PATCH = registry.register(
                     "overwrite=True)",
                 ),
             ),
-            # `_resumed` and `_consumed_before` mirror this loop.
+            # `_resumed` mirrors this loop.
             registry.Pin(
                 "keras.src.trainers.epoch_iterator",
                 (
