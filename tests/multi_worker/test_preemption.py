@@ -1,12 +1,13 @@
-"""Preemption and restarts with real processes, as a platform would do them.
+"""Preemption and restarts with real processes, as a platform does them.
 
 `keras-replicator launch` restarts a group whose worker was SIGKILLed; a
 SIGTERM to one worker or to the launcher stops every worker at the same
-step with a backup there and exit code 75; the same command resumes; a
-process killed while writing its backup leaves the previous one; a
-simulated Slurm job gets SIGUSR1 and is requeued. Every run must end with
-the weights of an uninterrupted run (computed here in-process on as many
-replicas). Workers run `workers/preempt_worker.py`, a plain
+step with a backup there and exit code 75; the same command resumes. One
+`LocalReplicator(2)` process killed while writing its backup leaves the
+previous one, resumes from it, stops at the step on SIGTERM and resumes
+again; a simulated Slurm job gets SIGUSR1 and is requeued. Every run must
+end with the weights of an uninterrupted run (computed here in-process on
+as many replicas). Workers run `workers/preempt_worker.py`, a plain
 `BackupAndRestore` fit; each subprocess has a bounded timeout.
 """
 
