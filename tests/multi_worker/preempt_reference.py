@@ -12,7 +12,9 @@ STEPS_PER_EPOCH = 8
 EPOCHS = 3
 GLOBAL_BATCH = 8
 TOTAL_STEPS = STEPS_PER_EPOCH * EPOCHS
-DATA_KINDS = ("arrays", "dataset", "distribute")
+# "repeated": an endless dataset with `steps_per_epoch`, whose one iterator
+# Keras keeps across epochs.
+DATA_KINDS = ("arrays", "dataset", "distribute", "repeated")
 
 
 def build(replicator):
@@ -37,13 +39,19 @@ def fit_inputs(kind, replicator):
     y = (x @ rng.normal(size=(5, 1))).astype("float32")
     if kind == "arrays":
         return {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": True}
-    if kind == "dataset":
+    if kind in ("dataset", "repeated"):
         dataset = (
             tf.data.Dataset.from_tensor_slices((x, y))
             .shuffle(len(x), seed=1, reshuffle_each_iteration=True)
             .batch(GLOBAL_BATCH)
         )
-        return {"x": dataset, "shuffle": False}
+        if kind == "dataset":
+            return {"x": dataset, "shuffle": False}
+        return {
+            "x": dataset.repeat(),
+            "steps_per_epoch": STEPS_PER_EPOCH,
+            "shuffle": False,
+        }
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     distributed = replicator.distribute(dataset, GLOBAL_BATCH, shuffle_seed=1)
     return {"x": distributed, "shuffle": False}
