@@ -69,6 +69,7 @@ def _launch(args: argparse.Namespace) -> int:
             workers=args.workers,
             replicas_per_worker=args.replicas_per_worker,
             ps=args.ps,
+            max_restarts=args.max_restarts,
         )
     except ValueError as e:
         print(f"keras-replicator launch: error: {e}", file=sys.stderr)
@@ -118,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Starts N local worker processes of one cluster, each "
         "with TF_CONFIG on free 127.0.0.1 ports, prefixes their output with "
         "the worker's name, ends all when one fails (exiting with its "
-        "code) or on Ctrl-C. Example: keras-replicator launch --workers 2 "
-        "-- python train.py",
+        "code, or restarting all with --max-restarts) or on Ctrl-C, and "
+        "forwards SIGTERM/SIGUSR1 so the workers save and exit 75. "
+        "Example: keras-replicator launch --workers 2 -- python train.py",
     )
     launch.add_argument("--workers", type=_positive_int, required=True)
     launch.add_argument(
@@ -134,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="parameter-server tasks; with M > 0 the command runs on a "
         "chief (kr.AsyncReplicator) and workers/ps run TensorFlow servers",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start every worker again (new ports) after one fails, up to R "
+        "times; scripts resume from their BackupAndRestore backup "
+        "(default 0)",
     )
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_launch)

@@ -3,8 +3,12 @@
 Each worker gets a TF_CONFIG naming every worker at `127.0.0.1:<free port>`
 (local launches never listen beyond loopback) and its own task index. Every
 output line is prefixed with the worker's name. When one worker fails, the
-launcher ends the others and exits with the failed worker's code; Ctrl-C (or
-SIGTERM) ends all of them.
+launcher ends the others and exits with the failed worker's code, or, with
+`max_restarts`, starts the whole group again on new ports. Ctrl-C ends all
+of them. A preemption signal (SIGTERM, and the others named by
+`KERAS_REPLICATOR_PREEMPTION_SIGNALS`) is forwarded to every worker, which
+save at the same step and exit with `preemption.EXIT_CODE`; the launcher
+then exits with that code too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import TextIO
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
+from keras_replicator._src.training import preemption
 
 LOOPBACK = "127.0.0.1"
 CPU_REPLICAS_ENV = env.CPU_REPLICAS
@@ -39,6 +44,9 @@ PORT_CLASH = (
 )
 # Launches tried when a port was taken, all on new ports.
 _PORT_ATTEMPTS = 3
+# Seconds the workers get, after a preemption signal, to reach a step,
+# save and exit, before they are killed.
+PREEMPT_GRACE_SECONDS = 30.0
 
 
 def free_ports(count: int) -> list[int]:
@@ -97,6 +105,7 @@ def launch(
     replicas_per_worker: int | None = None,
     ps: int = 0,
     out: TextIO | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Runs `command` as `workers` local processes of one cluster.
 
@@ -110,6 +119,16 @@ def launch(
             `workers` worker tasks and `ps` ps tasks run TensorFlow servers;
             the run ends when the chief exits. Defaults to 0.
         out: Where prefixed output goes. Defaults to `sys.stdout`.
+        max_restarts: How many times to start every worker again, on new
+            ports, after one exited non-zero or was killed (a `[launch]`
+            line says so each time). Scripts resume from their
+            `BackupAndRestore` backup. A preempted group is not restarted.
+            Defaults to 0.
+
+    A preemption signal to the launcher (SIGTERM, and those named by
+    `KERAS_REPLICATOR_PREEMPTION_SIGNALS`, default `SIGTERM,SIGUSR1`) is
+    forwarded to every worker; they get 30 seconds to stop at the same
+    step, save and exit, then are killed.
 
     Ports are picked free on 127.0.0.1, but another process may take one
     before a worker binds it. When a run fails and a worker reported that
@@ -118,13 +137,16 @@ def launch(
     as the cluster starts, before any training step.
 
     Returns:
-        0 if every worker (with `ps`: the chief) succeeded; else the exit
-        code of the first worker that failed (128 + N for a worker ended by
-        signal N); 130 after Ctrl-C.
+        0 if every worker (with `ps`: the chief) succeeded; 75
+        (`preemption.EXIT_CODE`) if the workers were preempted and saved
+        (a signal to the launcher or to a worker); else the exit code of
+        the first worker that failed (128 + N for a worker ended by signal
+        N) once no restart is left; 130 after Ctrl-C.
 
     Raises:
-        ValueError: If `command` is empty, or `workers` or `ps` is out of
-            range.
+        ValueError: If `command` is empty, or `workers`, `ps` or
+            `max_restarts` is out of range, or
+            `KERAS_REPLICATOR_PREEMPTION_SIGNALS` names no signal.
     """
     if not command:
         raise ValueError(
@@ -133,25 +155,73 @@ def launch(
         )
     validation.check_positive_int("workers", workers)
     validation.check_non_negative_int("ps", ps)
+    validation.check_non_negative_int("max_restarts", max_restarts)
     out = out or sys.stdout
-    for attempt in range(1, _PORT_ATTEMPTS + 1):
-        code, clash = _launch_once(
-            command, workers, replicas_per_worker, ps, out
-        )
-        if code in (0, 130) or not clash.is_set() or attempt == _PORT_ATTEMPTS:
+    lock = threading.Lock()
+    received: list[int] = []
+    with _forwarding(preemption.signals_from_env(), received):
+        clashes = restarts = 0
+        while True:
+            code, clash, preempted = _launch_once(
+                command, workers, replicas_per_worker, ps, out, received
+            )
+            if code in (0, 130) or preempted or received:
+                return code
+            if clash.is_set() and clashes + 1 < _PORT_ATTEMPTS:
+                clashes += 1
+                _print(
+                    out,
+                    lock,
+                    "[launch] another process took a worker's port before "
+                    "it bound it; starting all workers again on new ports "
+                    f"({clashes + 1} of {_PORT_ATTEMPTS})",
+                )
+                continue
+            if restarts < max_restarts:
+                restarts += 1
+                _print(
+                    out,
+                    lock,
+                    f"[launch] a worker exited with code {code}; starting "
+                    "all workers again on new ports (restart "
+                    f"{restarts} of {max_restarts})",
+                )
+                continue
             return code
-        _print(
-            out,
-            threading.Lock(),
-            "[launch] another process took a worker's port before it bound "
-            f"it; starting all workers again on new ports ({attempt + 1} of "
-            f"{_PORT_ATTEMPTS})",
+
+
+@contextlib.contextmanager
+def _forwarding(signals, received: list[int]):
+    """Records preemption signals (main thread only); SIGTERM at least.
+
+    Without SIGTERM among the preemption signals, SIGTERM ends every
+    worker at once, like Ctrl-C.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def record(signum, frame):
+        del frame
+        received.append(signum)
+
+    previous = {}
+    for sig in signals:
+        previous[sig] = signal.signal(sig, record)
+    if signal.SIGTERM not in previous:
+        # Treat SIGTERM like Ctrl-C, so workers never outlive the launcher.
+        previous[signal.SIGTERM] = signal.signal(
+            signal.SIGTERM, _raise_interrupt
         )
-    raise AssertionError("unreachable")
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _launch_once(command, workers, replicas_per_worker, ps, out):
-    """One launch; returns its exit code and whether a port clashed."""
+def _launch_once(command, workers, replicas_per_worker, ps, out, received):
+    """One launch: its exit code, whether a port clashed, and was preempted."""
     ports = free_ports(workers)
     # With parameter servers, `command` runs on the chief only; workers and
     # ps tasks run a bare TensorFlow server (see async_ps.SERVE_COMMAND).
@@ -171,11 +241,7 @@ def _launch_once(command, workers, replicas_per_worker, ps, out):
     clash = threading.Event()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    previous = signal.getsignal(signal.SIGTERM)
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        # Treat SIGTERM like Ctrl-C, so workers never outlive the launcher.
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+    preempted = False
     try:
         for name, argv, env in tasks:
             proc = subprocess.Popen(
@@ -198,7 +264,9 @@ def _launch_once(command, workers, replicas_per_worker, ps, out):
             pumps.append(pump)
         # Under parameter servers the chief's exit ends the run: servers
         # never exit, and a dead worker's steps move to the others.
-        code = _wait_all(procs[:1] if ps else procs, out, lock)
+        code, preempted = _wait_all(
+            procs[:1] if ps else procs, out, lock, received, procs
+        )
     except KeyboardInterrupt:
         _print(out, lock, "[launch] interrupted; ending all workers")
         code = 130
@@ -206,9 +274,7 @@ def _launch_once(command, workers, replicas_per_worker, ps, out):
         _end_all(procs)
         for pump in pumps:
             pump.join(timeout=_GRACE_SECONDS)
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-    return code, clash
+    return code, clash, preempted
 
 
 def _ps_tasks(command, workers, ps, replicas_per_worker):
@@ -260,13 +326,34 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _wait_all(procs, out, lock) -> int:
+def _wait_all(procs, out, lock, received, everyone) -> tuple[int, bool]:
+    """Waits for `procs`; returns the exit code and whether preempted."""
     while True:
+        if received:
+            name = preemption.signal_name(received[0])
+            _print(
+                out,
+                lock,
+                f"[launch] received {name}; forwarding it to every worker, "
+                f"which save and exit (at most {PREEMPT_GRACE_SECONDS:.0f} "
+                "s)",
+            )
+            for proc in everyone:
+                _signal_group(proc, received[0])
+            return _wait_preempted(procs, out, lock), True
         running = False
         for index, proc in enumerate(procs):
             code = proc.poll()
             if code is None:
                 running = True
+            elif code == preemption.EXIT_CODE:
+                _print(
+                    out,
+                    lock,
+                    f"[launch] worker {index} was preempted (exit code "
+                    f"{code}); waiting for the others to save and exit",
+                )
+                return _wait_preempted(procs, out, lock), True
             elif code != 0:
                 _print(
                     out,
@@ -274,10 +361,31 @@ def _wait_all(procs, out, lock) -> int:
                     f"[launch] worker {index} exited with code "
                     f"{_exit_code(code)}; ending the other workers",
                 )
-                return _exit_code(code)
+                return _exit_code(code), False
         if not running:
-            return 0
+            return 0, False
         time.sleep(0.1)
+
+
+def _wait_preempted(procs, out, lock) -> int:
+    """Gives preempted workers the grace period; their common exit code."""
+    deadline = time.monotonic() + PREEMPT_GRACE_SECONDS
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    codes = []
+    for index, proc in enumerate(procs):
+        if proc.poll() is None:
+            _print(
+                out,
+                lock,
+                f"[launch] worker {index} did not exit within "
+                f"{PREEMPT_GRACE_SECONDS:.0f} s; killing it",
+            )
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        codes.append(_exit_code(proc.returncode))
+    failed = [c for c in codes if c not in (0, preemption.EXIT_CODE)]
+    return failed[0] if failed else preemption.EXIT_CODE
 
 
 def _end_all(procs: Sequence[subprocess.Popen]) -> None:

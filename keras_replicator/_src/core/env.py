@@ -14,3 +14,9 @@ SPLIT_CPU_AT_IMPORT = "KERAS_REPLICATOR_SPLIT_CPU"
 # `kr.launch` workers: the pickled function and where its result goes.
 LAUNCH_PAYLOAD = "KERAS_REPLICATOR_LAUNCH_PAYLOAD"
 LAUNCH_RESULT = "KERAS_REPLICATOR_LAUNCH_RESULT"
+# Signals that make `fit` stop at the same step on every worker, write the
+# `BackupAndRestore` backup there and exit (comma-separated names; empty: off).
+# The launcher forwards the same signals to its workers.
+PREEMPTION_SIGNALS = "KERAS_REPLICATOR_PREEMPTION_SIGNALS"
+# About how often, in seconds, multi-worker fit agrees on a pending signal.
+PREEMPTION_CHECK_SECONDS = "KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS"

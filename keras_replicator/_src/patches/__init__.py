@@ -12,6 +12,7 @@ from keras_replicator._src.patches import iterator_teardown
 from keras_replicator._src.patches import keras_compat
 from keras_replicator._src.patches import nested_collectives
 from keras_replicator._src.patches import per_replica_jit
+from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
 from keras_replicator._src.patches import trainer_loops
 
@@ -24,6 +25,7 @@ __all__ = (
     "keras_compat",
     "nested_collectives",
     "per_replica_jit",
+    "preemption",
     "registry",
     "trainer_loops",
 )

@@ -10,6 +10,8 @@ Two behaviours need these entry points, and one patch owns them:
   arguments bound to Keras' own signature.
 - Exact evaluation of padded data (`exact_eval`): before the stock
   `evaluate`, the model learns whether `x` is data the sharder padded.
+- Preemption (`preemption`): the stock `fit` runs with the preemption
+  signal handlers installed, and they are put back however it ends.
 
 Everything else, including every model under no strategy or a stock
 `tf.distribute` strategy, runs Keras' stock method unchanged.
@@ -23,6 +25,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import exact_eval
+from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
 
 
@@ -55,6 +58,9 @@ def _dispatch(name):
         if name == "evaluate":
             x = _arguments(original, self, args, kwargs).get("x")
             exact_eval.prepare(self, x)
+        if name == "fit":
+            with preemption.fit_scope(self):
+                return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
     method.__name__ = name

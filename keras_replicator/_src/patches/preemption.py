@@ -1,0 +1,410 @@
+"""Save at the step on preemption, atomically, and resume at that step.
+
+Keras 3's `BackupAndRestore` saves at epoch ends (or every `save_freq`
+batches), writes its two files in place (a process killed while writing
+leaves a backup that does not load, or weights of one step with the epoch
+of another), and on restore restarts the saved epoch from its first batch:
+its metadata records the batch, but nothing skips the batches done, and
+with `save_freq` the same number means "after batch 0" and "after the
+epoch" (keras-team/keras#17012, #19179). Under `LocalReplicator` and
+`MultiWorkerReplicator` this patch, with no change to user code:
+
+- tracks, per `fit`, the epoch and the steps done in it (`CallbackList`
+  epoch and batch hooks), and at each train batch end asks
+  `training.preemption` whether every worker agrees to stop; then every
+  `BackupAndRestore` of the fit saves at that step and the process exits
+  with `preemption.EXIT_CODE`. A fit without one stops at the step too;
+- writes every backup of `BackupAndRestore` atomically: into
+  `<backup_dir>.partial`, then two renames (the old backup is kept as
+  `<backup_dir>.previous` between them), so a process killed at any point
+  leaves a complete backup: the new one, or the previous one, which
+  restoring falls back to. The metadata also records the exact steps done;
+- on restore, makes the first epoch of the fit replay the data order of an
+  uninterrupted run: the data iterators the earlier epochs made are made
+  again (a seeded `reshuffle_each_iteration` shuffle draws its order per
+  iterator) and the batches already trained in the epoch are skipped. Only
+  their input pipeline runs, no training step.
+
+`fit_scope` (composed into `fit` by `trainer_loops`) installs the signal
+handlers for one fit and puts them back after it, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.callbacks import callback_list
+
+from keras_replicator._src.core import traits
+from keras_replicator._src.patches import chief_only
+from keras_replicator._src.patches import registry
+from keras_replicator._src.training import preemption
+
+# Our own entry in BackupAndRestore's metadata (Keras reads only "epoch").
+METADATA_KEY = "keras_replicator"
+PARTIAL_SUFFIX = ".partial"
+PREVIOUS_SUFFIX = ".previous"
+_METADATA_FILE = "training_metadata.json"
+
+
+class _Run:
+    """One `fit` under a replicator: its progress and pending resume."""
+
+    def __init__(self, model):
+        self.model = model
+        self.strategy = traits.model_strategy(model)
+        self.agreement = preemption.Agreement(self.strategy)
+        # The epoch in progress and the train steps done in it.
+        self.epoch = 0
+        self.done = 0
+        # The training data's epoch iterator and the iterators it made
+        # since the first epoch began.
+        self.in_epochs = False
+        self.iterator = None
+        self.made = 0
+        # What a restored backup recorded, for the data iterator.
+        self.resume = None
+
+
+_runs: list[_Run] = []
+
+
+@contextlib.contextmanager
+def fit_scope(model) -> Iterator[None]:
+    """Preemption handling for one `fit` of `model` (no-op off replicators).
+
+    Args:
+        model: The model whose `fit` runs inside.
+    """
+    if not traits.is_in_graph(traits.model_strategy(model)):
+        yield
+        return
+    run = _Run(model)
+    _runs.append(run)
+    try:
+        with preemption.handling():
+            yield
+    finally:
+        _runs.remove(run)
+
+
+def _run_for(model) -> _Run | None:
+    for run in reversed(_runs):
+        if run.model is model:
+            return run
+    return None
+
+
+# CallbackList hooks: progress, then the check after every callback ran.
+
+
+def _on_epoch_begin(original, self, epoch, logs=None):
+    run = _run_for(self.model)
+    if run is not None:
+        run.epoch, run.done, run.in_epochs = epoch, 0, True
+    return original(self, epoch, logs)
+
+
+def _on_epoch_end(original, self, epoch, logs=None):
+    run = _run_for(self.model)
+    if run is not None:
+        # What an epoch-end backup records: the next epoch, nothing done.
+        run.epoch, run.done = epoch + 1, 0
+    return original(self, epoch, logs)
+
+
+def _on_train_batch_end(original, self, batch, logs=None):
+    run = _run_for(self.model)
+    if run is None:
+        return original(self, batch, logs)
+    run.done = batch + 1
+    original(self, batch, logs)
+    if run.agreement.should_stop():
+        _stop(self, run)
+    return None
+
+
+def _stop(callbacks, run: _Run) -> None:
+    """Every worker at the same step: back up, then exit."""
+    if getattr(callbacks, "_async_train", False):
+        callbacks._flush_futures()
+    backups = [
+        c
+        for c in callbacks.callbacks
+        if isinstance(c, keras.callbacks.BackupAndRestore)
+    ]
+    for backup in backups:
+        backup._save_model()
+    signum = preemption.pending()
+    cause = "a preemption signal on another worker"
+    if signum is not None:
+        cause = preemption.signal_name(signum)
+    if not backups:
+        saved = "no BackupAndRestore callback, nothing saved"
+    elif getattr(run.strategy, "is_chief", True):
+        saved = "backup written to " + ", ".join(
+            os.fspath(b.backup_dir) for b in backups
+        )
+    else:
+        saved = "the chief wrote the backup"
+    preemption.leave(
+        f"preempted ({cause}): stopped after step {run.done} of epoch "
+        f"{run.epoch + 1}; {saved}; exiting with code {preemption.EXIT_CODE}"
+    )
+
+
+# BackupAndRestore: atomic saves that record the step, fallback on restore.
+
+
+def _local(path) -> bool:
+    return "://" not in os.fspath(path)
+
+
+@contextlib.contextmanager
+def _paths_in(backup, directory: str) -> Iterator[None]:
+    """Points `backup`'s files into `directory` for the duration."""
+    root = os.fspath(backup.backup_dir)
+    saved = {
+        name: getattr(backup, name) for name in chief_only.BACKUP_ATTRIBUTES
+    }
+    try:
+        for name, value in saved.items():
+            setattr(backup, name, directory + os.fspath(value)[len(root) :])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(backup, name, value)
+
+
+def _save_model(original, self):
+    run = _run_for(self.model)
+    target = os.fspath(self.backup_dir)
+    if run is None or not _local(target):
+        return original(self)
+    partial = target + PARTIAL_SUFFIX
+    previous = target + PREVIOUS_SUFFIX
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    if self.double_checkpoint and os.path.isdir(target):
+        # Keras' "previous state" files: the backup being replaced.
+        for name in ("_weights_path", "_training_metadata_path"):
+            current = getattr(self, name)
+            if os.path.exists(current):
+                with _paths_in(self, partial):
+                    shutil.copy(current, getattr(self, name) + ".bkp")
+    with _paths_in(self, partial):
+        original(self)
+        with open(self._training_metadata_path) as f:
+            metadata = json.load(f)
+        metadata["epoch"] = run.epoch
+        metadata[METADATA_KEY] = {
+            "epoch": run.epoch,
+            "steps_done": run.done,
+            **_data_state(run),
+        }
+        with open(self._training_metadata_path, "w") as f:
+            json.dump(metadata, f)
+    # Renames are atomic: killed anywhere here, `target` or `previous` is
+    # a complete backup (restore reads `previous` when `target` is gone).
+    if os.path.isdir(target):
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(target, previous)
+    os.rename(partial, target)
+    shutil.rmtree(previous, ignore_errors=True)
+    return None
+
+
+def _load_model(original, self):
+    run = _run_for(self.model)
+    target = os.fspath(self.backup_dir)
+    if run is None or not _local(target):
+        return original(self)
+    source = target
+    if not os.path.isdir(target) and os.path.isdir(target + PREVIOUS_SUFFIX):
+        source = target + PREVIOUS_SUFFIX
+    with _paths_in(self, source):
+        original(self)
+    metadata_path = os.path.join(source, _METADATA_FILE)
+    if os.path.exists(metadata_path):
+        with open(metadata_path) as f:
+            metadata = json.load(f)
+        # Without our entry (a backup of stock Keras) the fit starts at the
+        # saved epoch's first step, as in Keras.
+        run.resume = metadata.get(METADATA_KEY)
+    return None
+
+
+# The data iterator: counted while training, replayed on resume.
+
+
+def _get_iterator(original, self):
+    run = _runs[-1] if _runs else None
+    if run is not None and run.iterator is self:
+        # Each call makes one iterator (`iter(self._get_iterator())`).
+        run.made += 1
+    return original(self)
+
+
+def _enumerate_iterator(original, self):
+    run = _runs[-1] if _runs else None
+    if (
+        run is None
+        or not run.in_epochs
+        or self._distribute_strategy is not run.strategy
+    ):
+        # Also the build's look at one batch, before any epoch: both the
+        # interrupted and the resumed fit do it.
+        yield from original(self)
+        return
+    if run.iterator is None:
+        # The first one a fit enumerates is its training data.
+        run.iterator = self
+    resume, run.resume = run.resume, None
+    if run.iterator is not self or not resume or "iterators" not in resume:
+        yield from original(self)
+        return
+    yield from _resumed(original, self, resume)
+
+
+def _data_state(run: _Run) -> dict:
+    """Where the training data stands: what `_resumed` needs to replay."""
+    it = run.iterator
+    if it is None:
+        return {}
+    return {
+        "iterators": run.made,
+        "batches_seen": it._steps_seen,
+        "num_batches": it._num_batches,
+        "current": it._current_iterator is not None,
+    }
+
+
+def _resumed(original, self, resume: dict):
+    """The first epoch after a restore, data as if training never stopped.
+
+    Keras' loop (`EpochIterator._enumerate_iterator`, pinned) makes a new
+    iterator per epoch unless `steps_per_epoch` is given, and another one
+    when an epoch used up the data. A seeded shuffle with
+    `reshuffle_each_iteration` draws its order per iterator, so the
+    iterators made before are made again (unused), then the batches the
+    current one gave are pulled again, untrained.
+    """
+    done = resume["steps_done"]
+    if self._num_batches is None:
+        # Learnt in the first epoch of an unknown-cardinality dataset.
+        self._num_batches = resume["num_batches"]
+    iterator = None
+    for i in range(resume["iterators"]):
+        iterator = iter(self._get_iterator())
+        if i < resume["iterators"] - 1:
+            iterator = None
+    try:
+        for _ in range(resume["batches_seen"] if iterator else 0):
+            next(iterator)
+    except (StopIteration, tf.errors.OutOfRangeError):
+        iterator = None
+    if done == 0:
+        # An epoch start: Keras' own loop goes on from the same state.
+        self._current_iterator = iterator if resume["current"] else None
+        self._steps_seen = resume["batches_seen"]
+        yield from original(self)
+        return
+    if iterator is None:
+        return
+    per_call = self.steps_per_execution
+    self.data_adapter.on_epoch_begin()
+    steps_per_epoch = self.steps_per_epoch or self._num_batches or -1
+    if steps_per_epoch > 0:
+        self._current_iterator = iterator
+        self._steps_seen = resume["batches_seen"]
+        for step in range(done, steps_per_epoch, per_call):
+            if self._num_batches and self._steps_seen >= self._num_batches:
+                if self.steps_per_epoch:
+                    self._interrupted_warning()
+                break
+            self._steps_seen += per_call
+            yield step, step + per_call - 1, self._current_iterator
+        if self._num_batches and self._steps_seen >= self._num_batches:
+            self._current_iterator = iter(self._get_iterator())
+            self._steps_seen = 0
+    else:
+        step = done - per_call
+        while True:
+            step += per_call
+            self._steps_seen = step + per_call
+            yield step, step + per_call - 1, iterator
+    self.data_adapter.on_epoch_end()
+
+
+_Backup = keras.callbacks.BackupAndRestore
+_List = callback_list.CallbackList
+
+PATCH = registry.register(
+    registry.Patch(
+        name="preemption",
+        targets=(
+            registry.Target(_List, "on_epoch_begin", _on_epoch_begin),
+            registry.Target(_List, "on_epoch_end", _on_epoch_end),
+            registry.Target(_List, "on_train_batch_end", _on_train_batch_end),
+            registry.Target(_Backup, "_save_model", _save_model),
+            registry.Target(_Backup, "_load_model", _load_model),
+            registry.Target(
+                tf_trainer.TFEpochIterator,
+                "_enumerate_iterator",
+                _enumerate_iterator,
+            ),
+            registry.Target(
+                tf_trainer.TFEpochIterator, "_get_iterator", _get_iterator
+            ),
+        ),
+        applies_to=frozenset(traits.IN_GRAPH),
+        pins=(
+            registry.Pin(
+                "keras.src.callbacks.backup_and_restore",
+                (
+                    "def _save_model(self):",
+                    "def _load_model(self):",
+                    "self.model._initial_epoch = epoch",
+                    'epoch = training_metadata["epoch"]',
+                    "self.model.save_weights(filepath=self._weights_path, "
+                    "overwrite=True)",
+                ),
+            ),
+            # `_resumed` mirrors this loop.
+            registry.Pin(
+                "keras.src.trainers.epoch_iterator",
+                (
+                    "if self._current_iterator is None or "
+                    "self.steps_per_epoch is None:",
+                    "for step in range(0, steps_per_epoch, "
+                    "self.steps_per_execution):",
+                    "if self._num_batches and self._steps_seen >= "
+                    "self._num_batches:",
+                    "self._steps_seen += self.steps_per_execution",
+                    "step = -self.steps_per_execution",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                (
+                    "callbacks.on_epoch_begin(epoch)",
+                    "callbacks.on_train_batch_end(end_step, logs)",
+                    "callbacks.on_epoch_end(epoch, epoch_logs)",
+                    "initial_epoch = self._initial_epoch or initial_epoch",
+                ),
+            ),
+        ),
+        delete_when=(
+            "Keras' BackupAndRestore saves on preemption at the step, "
+            "atomically, and resumes mid-epoch (keras-team/keras#17012, "
+            "keras-team/keras#19179)"
+        ),
+    )
+)

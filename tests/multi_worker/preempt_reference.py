@@ -1,0 +1,79 @@
+"""The model and data of the preemption tests, shared by tests and workers.
+
+3 epochs of 8 steps of global batch 8: a tiny regression whose Adam state
+and shuffled data order must both continue exactly after a resume.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+STEPS_PER_EPOCH = 8
+EPOCHS = 3
+GLOBAL_BATCH = 8
+TOTAL_STEPS = STEPS_PER_EPOCH * EPOCHS
+# "repeated": an endless dataset with `steps_per_epoch`, whose one iterator
+# Keras keeps across epochs.
+DATA_KINDS = ("arrays", "dataset", "distribute", "repeated")
+
+
+def build(replicator):
+    """The model, compiled under `replicator`, seeded."""
+    keras.utils.set_random_seed(0)
+    with replicator.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(4, activation="tanh"),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(0.05), "mse")
+    return model
+
+
+def fit_inputs(kind, replicator):
+    """`fit` arguments: shuffled arrays, a reshuffled dataset, or ours."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS_PER_EPOCH * GLOBAL_BATCH, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    if kind == "arrays":
+        return {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": True}
+    if kind in ("dataset", "repeated"):
+        dataset = (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(len(x), seed=1, reshuffle_each_iteration=True)
+            .batch(GLOBAL_BATCH)
+        )
+        if kind == "dataset":
+            return {"x": dataset, "shuffle": False}
+        return {
+            "x": dataset.repeat(),
+            "steps_per_epoch": STEPS_PER_EPOCH,
+            "shuffle": False,
+        }
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    distributed = replicator.distribute(dataset, GLOBAL_BATCH, shuffle_seed=1)
+    return {"x": distributed, "shuffle": False}
+
+
+class Probe(keras.callbacks.Callback):
+    """Records the (epoch, batch) of every step; calls `at_step(step)`.
+
+    `step` counts from the first step of the whole training (1-based), so
+    a resumed fit sees the same numbers as an uninterrupted one.
+    """
+
+    def __init__(self, at_step=None):
+        super().__init__()
+        self.trained = []
+        self._epoch = 0
+        self._at_step = at_step
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.trained.append((self._epoch, batch))
+        if self._at_step is not None:
+            self._at_step(self._epoch * STEPS_PER_EPOCH + batch + 1)

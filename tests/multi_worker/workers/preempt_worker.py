@@ -1,0 +1,98 @@
+"""Worker of the preemption tests: a plain `BackupAndRestore` fit.
+
+argv: <backup dir>. The script is what a user writes (a replicator, a
+model, `fit(..., callbacks=[keras.callbacks.BackupAndRestore(dir)])`); the
+environment adds test instrumentation:
+
+- `PREEMPT_REPLICATOR`: "multi" (`MultiWorkerReplicator()`, the default),
+  "local" (`LocalReplicator(2)`) or "auto" (`kr.auto()`).
+- `PREEMPT_DATA`: one of `preempt_reference.DATA_KINDS` (default arrays).
+- `PREEMPT_SAVE_FREQ`: `BackupAndRestore(save_freq=...)` as an int.
+- `PREEMPT_MARK` / `PREEMPT_MARK_STEP`: after that step of the whole
+  training, the worker writes its pid to `PREEMPT_MARK` ("{index}" is its
+  task index) and from then on sleeps `PREEMPT_SLOW` seconds per step, so a
+  test can signal it mid-epoch.
+- `PREEMPT_KILL_ONCE`: a path; worker 1 kills itself with SIGKILL at the
+  mark step if the path does not exist yet (and creates it).
+- `PREEMPT_DIE_ON_SAVE`: N; worker 0's N-th weights save writes its file,
+  then the process kills itself with SIGKILL (killed mid-backup).
+
+At the end it reports its final weights and the (epoch, batch) of every
+step it trained (only the steps, when preempted).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import keras_replicator as kr
+
+KIND = os.environ.get("PREEMPT_REPLICATOR", "multi")
+# Create the replicator first: it splits the CPU before TF starts.
+if KIND == "local":
+    replicator = kr.LocalReplicator(2)
+elif KIND == "auto":
+    replicator = kr.auto()
+else:
+    replicator = kr.MultiWorkerReplicator()
+
+import keras  # noqa: E402
+
+from tests.multi_worker import harness  # noqa: E402
+from tests.multi_worker import preempt_reference as ref  # noqa: E402
+
+backup_dir = sys.argv[1]
+mark = os.environ.get("PREEMPT_MARK")
+mark_step = int(os.environ.get("PREEMPT_MARK_STEP", "0"))
+slow = float(os.environ.get("PREEMPT_SLOW", "0.3"))
+kill_once = os.environ.get("PREEMPT_KILL_ONCE")
+die_on_save = int(os.environ.get("PREEMPT_DIE_ON_SAVE", "0"))
+index = harness.task_index()
+
+model = ref.build(replicator)
+inputs = ref.fit_inputs(os.environ.get("PREEMPT_DATA", "arrays"), replicator)
+
+saves = []
+_save_weights = model.save_weights
+
+
+def _save_then_maybe_die(*args, **kwargs):
+    _save_weights(*args, **kwargs)
+    saves.append(1)
+    if index == 0 and len(saves) == die_on_save:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+model.save_weights = _save_then_maybe_die
+
+
+def _at_step(step):
+    if step == mark_step and kill_once and index == 1:
+        if not os.path.exists(kill_once):
+            open(kill_once, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    if mark and step == mark_step:
+        with open(mark.format(index=index), "w") as f:
+            f.write(str(os.getpid()))
+    if mark and step >= mark_step:
+        time.sleep(slow)
+
+
+save_freq = os.environ.get("PREEMPT_SAVE_FREQ")
+backup = keras.callbacks.BackupAndRestore(
+    backup_dir, save_freq=int(save_freq) if save_freq else "epoch"
+)
+probe = ref.Probe(_at_step)
+try:
+    model.fit(**inputs, epochs=ref.EPOCHS, callbacks=[backup, probe], verbose=0)
+except SystemExit:
+    # Preempted: what it trained before it stopped.
+    harness.write_result({"trained": probe.trained, "preempted": True})
+    raise
+harness.write_result(
+    {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "trained": probe.trained,
+    }
+)

@@ -1,0 +1,170 @@
+"""Preemption in one process: save at the step, exit 75, resume exactly.
+
+The signal is sent from inside the fit (a callback `os.kill`s its own
+process), so it always lands at the same step; the fit must stop at that
+step, write a loadable backup there and raise `SystemExit(75)`. A new fit
+with a new model, as a restarted script would make, must train only the
+remaining steps and end with an uninterrupted run's weights, for shuffled
+arrays, a reshuffled `tf.data` dataset and `replicator.distribute`.
+Real processes (SIGKILL mid-backup, simulated Slurm, the launcher) are in
+`tests/multi_worker/test_preemption.py`.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import keras
+import pytest
+
+import keras_replicator as kr
+from keras_replicator._src.cluster import launch
+from keras_replicator._src.core import env
+from keras_replicator._src.training import preemption
+from tests.helpers import assert_weights_close
+from tests.multi_worker import preempt_reference as ref
+
+STOP_AT = 11  # step 3 of the second epoch
+# `replicator.distribute` data has no known cardinality: Keras warns at the
+# end of the first epoch, then knows its length.
+pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data")
+
+
+def _fit(kind, backup_dir, stop_at=None, sig=signal.SIGTERM, backup=True):
+    replicator = kr.LocalReplicator(2)
+    model = ref.build(replicator)
+
+    def at_step(step):
+        if step == stop_at:
+            os.kill(os.getpid(), sig)
+
+    probe = ref.Probe(at_step)
+    callbacks = [probe]
+    if backup:
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(backup_dir))
+    model.fit(
+        **ref.fit_inputs(kind, replicator),
+        epochs=ref.EPOCHS,
+        callbacks=callbacks,
+        verbose=0,
+    )
+    return model.get_weights(), probe.trained
+
+
+def _preempted(*args, **kwargs):
+    with pytest.raises(SystemExit) as stopped:
+        _fit(*args, **kwargs)
+    preemption.cancel_exit_deadline()
+    return stopped.value.code
+
+
+def _metadata(backup_dir):
+    with open(os.path.join(backup_dir, "training_metadata.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: _fit(kind, None, backup=False)[0] for kind in ref.DATA_KINDS}
+
+
+@pytest.mark.parametrize("kind", ref.DATA_KINDS)
+def test_sigterm_saves_at_the_step_and_resume_is_exact(
+    kind, references, tmp_path
+):
+    backup_dir = str(tmp_path / "backup")
+    handler = signal.getsignal(signal.SIGTERM)
+    assert _preempted(kind, backup_dir, stop_at=STOP_AT) == 75
+    assert signal.getsignal(signal.SIGTERM) is handler
+    ours = _metadata(backup_dir)["keras_replicator"]
+    assert (ours["epoch"], ours["steps_done"]) == (1, 3)
+
+    weights, trained = _fit(kind, backup_dir)
+    # Only the steps not done yet, numbered as in an uninterrupted run.
+    assert trained[0] == (1, 3)
+    assert len(trained) == ref.TOTAL_STEPS - STOP_AT
+    assert_weights_close(weights, references[kind])
+    assert not os.path.exists(backup_dir)  # Keras deletes it at the end
+
+
+def test_configured_signal_and_an_epoch_end_backup(references, tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    # The last step of the first epoch: the backup says "epoch 2, step 0".
+    assert (
+        _preempted("dataset", backup_dir, stop_at=8, sig=signal.SIGUSR1) == 75
+    )
+    ours = _metadata(backup_dir)["keras_replicator"]
+    assert (ours["epoch"], ours["steps_done"]) == (0, 8)
+    weights, trained = _fit("dataset", backup_dir)
+    assert trained[0] == (1, 0)
+    assert_weights_close(weights, references["dataset"])
+
+
+def test_without_backup_the_fit_still_stops_at_the_step(tmp_path):
+    assert _preempted("arrays", None, stop_at=5, backup=False) == 75
+
+
+def test_signals_not_configured_are_left_alone(monkeypatch):
+    monkeypatch.setenv(env.PREEMPTION_SIGNALS, "SIGUSR1")
+    replicator = kr.LocalReplicator(2)
+    model = ref.build(replicator)
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGUSR2, handler)
+    try:
+        probe = ref.Probe(
+            lambda step: step == 2 and os.kill(os.getpid(), signal.SIGUSR2)
+        )
+        model.fit(
+            **ref.fit_inputs("arrays", replicator),
+            epochs=1,
+            callbacks=[probe],
+            verbose=0,
+        )
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert seen == [signal.SIGUSR2]
+    assert len(probe.trained) == ref.STEPS_PER_EPOCH
+
+
+def test_preemption_settings_are_validated(monkeypatch):
+    monkeypatch.setenv(env.PREEMPTION_SIGNALS, "SIGTERM, usr1")
+    assert preemption.signals_from_env() == (signal.SIGTERM, signal.SIGUSR1)
+    monkeypatch.setenv(env.PREEMPTION_SIGNALS, "")
+    assert preemption.signals_from_env() == ()
+    for bad in ("SIGKILL", "SIGNOPE"):
+        monkeypatch.setenv(env.PREEMPTION_SIGNALS, bad)
+        with pytest.raises(ValueError, match=f"Received: '{bad}'"):
+            preemption.signals_from_env()
+    monkeypatch.setenv(env.PREEMPTION_CHECK_SECONDS, "0")
+    with pytest.raises(ValueError, match="Received: '0'"):
+        preemption.check_seconds_from_env()
+
+
+def _fails_twice(directory):
+    """A worker command whose worker 1 fails its first two launches."""
+    program = (
+        "import json, os, sys\n"
+        f"d = {str(directory)!r}\n"
+        "if json.loads(os.environ['TF_CONFIG'])['task']['index'] == 1:\n"
+        "    n = len(os.listdir(d))\n"
+        "    open(os.path.join(d, str(n)), 'w').close()\n"
+        "    sys.exit(3 if n < 2 else 0)\n"
+    )
+    return [sys.executable, "-c", program]
+
+
+def test_launch_restarts_a_failed_group_up_to_max_restarts(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert launch.launch(_fails_twice(tmp_path / "a"), 2, max_restarts=1) == 3
+    assert launch.launch(_fails_twice(tmp_path / "b"), 2, max_restarts=2) == 0
+    out = capsys.readouterr().out
+    assert "starting all workers again on new ports (restart 1 of 1)" in out
+    assert "(restart 2 of 2)" in out
+    with pytest.raises(ValueError, match="Received: max_restarts=-1"):
+        launch.launch(["true"], workers=1, max_restarts=-1)
