@@ -14,6 +14,7 @@ from keras_replicator._src.patches import nested_collectives
 from keras_replicator._src.patches import per_replica_jit
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
+from keras_replicator._src.patches import replica_mean
 from keras_replicator._src.patches import trainer_loops
 
 __all__ = (
@@ -27,6 +28,7 @@ __all__ = (
     "per_replica_jit",
     "preemption",
     "registry",
+    "replica_mean",
     "trainer_loops",
 )
 

@@ -13,6 +13,7 @@ import threading
 import tensorflow as tf
 
 from keras_replicator._src import patches
+from keras_replicator._src.core import example_count
 from keras_replicator._src.core import traits
 from keras_replicator._src.core import validation
 from keras_replicator._src.data import sharding
@@ -59,6 +60,17 @@ class ReplicatorMixin:
         stock Keras for models under other strategies.
         """
         patches.install_for(self.replicator_kind)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Runs `fn` on every replica; see `tf.distribute.Strategy.run`.
+
+        Under in-graph replicators each replica notes how many examples its
+        batch holds (`core/example_count.py`), so that optimizers weigh the
+        replicas' gradients as one device weighs the examples.
+        """
+        if traits.is_in_graph(self):
+            fn = example_count.recording(fn)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Distributes `dataset`; see `tf.distribute.Strategy`.

@@ -1,13 +1,11 @@
 """`replicator.wrap_optimizer`: average gradients over every replica once.
 
-Keras 3's TensorFlow optimizer SUMS gradients across replicas inside
-`apply_gradients` (`TFOptimizer._all_reduce_sum_gradients`), because Keras'
-own losses are pre-scaled by `1 / num_replicas_in_sync`. A custom loop with a
-plain per-replica mean loss then trains with gradients `num_replicas` times
-too large. `ReplicatedOptimizer` takes gradient aggregation over from the
-optimizer it wraps: it all-reduces the MEAN itself, packed into a few large
-collectives, optionally compressed and accumulated, and switches the inner
-optimizer's own all-reduce off, so gradients are reduced exactly once.
+Under our replicators every Keras optimizer already averages gradients once
+(`patches/replica_mean.py`). `ReplicatedOptimizer` takes gradient
+aggregation over from the optimizer it wraps to add what plain optimizers do
+not have: packs of a chosen size, compression to 16 bits, and accumulation
+of micro-batches with a single all-reduce per update. It switches the inner
+optimizer's own reduction off, so gradients are reduced exactly once.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import tensorflow as tf
 
 from keras_replicator._src import collectives
 from keras_replicator._src.core import validation
+from keras_replicator._src.patches import replica_mean
 
 COMPRESSIONS = {None: None, "bf16": tf.bfloat16, "fp16": tf.float16}
 # Gradients are packed into all-reduces of about this size: large enough that
@@ -36,18 +35,12 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
     `optimizer.apply_gradients(zip(grads, variables))` or
     `optimizer.apply(grads, variables)` in the replica function, as on one
     device. The gradients are averaged over every replica of every worker
-    once, then the inner optimizer applies them. Use `tf.reduce_mean` or a
-    `keras.losses.*` function for that loss, not a `keras.losses.Loss`
-    object: inside a replica those already divide by the replica count, so
-    the update would be N times too small (or pass `reduction=None` to the
-    object and take the mean yourself).
-
-    Under `model.fit`, Keras pre-scales its losses by `1 / num_replicas` and
-    then calls `optimizer.scale_loss(loss)`; this wrapper's `scale_loss`
-    multiplies that factor back, so `fit` trains exactly as with the plain
-    optimizer (gradients still reduced once). A custom `train_step` that uses
-    `self.compute_loss` must call `self.optimizer.scale_loss(loss)` before
-    taking gradients, as Keras' own `train_step` does.
+    once (weighted by each replica's example count when the step's input
+    is a batch), then the inner optimizer applies them. Any loss works:
+    `tf.reduce_mean`, a `keras.losses.*` function or a `keras.losses.Loss`
+    object (under our replicators Keras does not pre-divide losses by the
+    replica count). Under `model.fit` it trains exactly as the plain
+    optimizer.
 
     With `accumulation_steps=N`, `apply` adds each replica's gradients to
     local accumulators and only every N-th call all-reduces their mean and
@@ -141,20 +134,15 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):
-        """Undoes Keras' `1 / num_replicas` loss scaling; see the class doc.
+        """Scales `loss` as the inner optimizer does (e.g. loss scaling).
 
         Args:
-            loss: A loss that Keras scaled for distribution.
+            loss: A replica's loss.
 
         Returns:
-            The loss as the inner optimizer scales it, times the number of
-            replicas in sync.
+            The inner optimizer's `scale_loss(loss)`.
         """
-        loss = self.inner_optimizer.scale_loss(loss)
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas > 1:
-            loss = loss * tf.cast(replicas, loss.dtype)
-        return loss
+        return self.inner_optimizer.scale_loss(loss)
 
     def apply(self, grads, trainable_variables=None):
         """Averages `grads` over all replicas, then updates the variables.
@@ -218,8 +206,17 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
             tf.distribute.get_replica_context().merge_call(build)
 
     def _reduce_and_apply(self, grads, trainable_variables):
-        reduced = all_reduce_mean(grads, self.compression, self.bytes_per_pack)
-        self.inner_optimizer.apply(reduced, trainable_variables)
+        ctx = tf.distribute.get_replica_context()
+        reduced = replica_mean.mean_gradients(
+            [None if g is None else _to_dense(g) for g in grads],
+            ctx,
+            wire_dtype=COMPRESSIONS[self.compression],
+            options=tf.distribute.experimental.CommunicationOptions(
+                bytes_per_pack=self.bytes_per_pack
+            ),
+        )
+        with replica_mean.receiving_reduced(self):
+            self.inner_optimizer.apply(reduced, trainable_variables)
 
     def _accumulate(self, grads, trainable_variables):
         accumulators = [
