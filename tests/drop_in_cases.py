@@ -45,9 +45,7 @@ def _compile(model, optimizer, **kwargs):
 
 def _fit(model, x, y, **kwargs):
     kwargs.setdefault("batch_size", GLOBAL_BATCH)
-    history = model.fit(
-        x, y, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs
-    )
+    history = model.fit(x, y, epochs=EPOCHS, shuffle=False, verbose=0, **kwargs)
     return history.history
 
 
@@ -118,7 +116,7 @@ class GAN(keras.Model):
             d_loss = self.loss_fn(labels, predictions)
         grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
         self.d_optimizer.apply_gradients(
-            zip(grads, self.discriminator.trainable_weights)
+            zip(grads, self.discriminator.trainable_weights, strict=True)
         )
         misleading_labels = tf.zeros((batch_size, 1))
         with tf.GradientTape() as tape:
@@ -128,7 +126,7 @@ class GAN(keras.Model):
             g_loss = self.loss_fn(misleading_labels, predictions)
         grads = tape.gradient(g_loss, self.generator.trainable_weights)
         self.g_optimizer.apply_gradients(
-            zip(grads, self.generator.trainable_weights)
+            zip(grads, self.generator.trainable_weights, strict=True)
         )
         self.d_loss_tracker.update_state(d_loss)
         self.g_loss_tracker.update_state(g_loss)

@@ -94,15 +94,16 @@ def test_four_replicas_match_one_device(opt_fn):
     assert_weights_close(actual, expected)
 
 
-def test_unwrapped_optimizer_would_scale_gradients_by_replicas():
-    # The test above is sensitive: without the wrapper, Keras sums the
-    # replicas' mean-loss gradients, i.e. steps 4x too far with plain SGD.
+def test_plain_optimizer_averages_like_the_wrapper():
+    # Under our replicators a plain Keras optimizer averages the replicas'
+    # mean-loss gradients too (`patches/replica_mean.py`); stock Keras would
+    # sum them, i.e. step 4x too far with plain SGD.
     sgd = lambda: keras.optimizers.SGD(learning_rate=0.05)  # noqa: E731
-    start = _model().get_weights()
-    one, _ = _replicated(4, global_batch=16, calls=1, opt_fn=sgd)
+    expected = _single_device(global_batch=16, steps=1, opt_fn=sgd)
+    wrapped, _ = _replicated(4, global_batch=16, calls=1, opt_fn=sgd)
     plain, _ = _replicated(4, 16, calls=1, opt_fn=sgd, wrap=False)
-    for s, o, p in zip(start, one, plain, strict=True):
-        np.testing.assert_allclose(p - s, 4 * (o - s), rtol=1e-4, atol=1e-6)
+    assert_weights_close(wrapped, expected)
+    assert_weights_close(plain, expected)
 
 
 def test_accumulation_matches_twice_the_batch():

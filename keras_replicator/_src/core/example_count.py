@@ -31,12 +31,21 @@ from tensorflow.python.autograph.impl import api as autograph
 _local = threading.local()
 
 
-def current() -> tf.Tensor | None:
-    """The example count of the replica step running on this thread."""
+@tf.autograph.experimental.do_not_convert
+def current() -> tf.Tensor | int | None:
+    """The example count of the replica step running on this thread.
+
+    Returns:
+        A float32 scalar tensor when the batch size is only known at run
+        time, an `int` when it is static (the same on every replica, since
+        replicas share their batches' spec), or None when the step's
+        arguments hold no batch.
+    """
     stack = getattr(_local, "stack", None)
     return stack[-1] if stack else None
 
 
+@tf.autograph.experimental.do_not_convert
 def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps `fn` (for `strategy.run`) to record its batch's example count.
 
@@ -66,7 +75,7 @@ def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
     return replica_fn
 
 
-def _count_of(structure) -> tf.Tensor | None:
+def _count_of(structure) -> tf.Tensor | int | None:
     """The leading dimension of the first batched tensor in `structure`."""
     for leaf in tf.nest.flatten(structure):
         if isinstance(leaf, tf.RaggedTensor):
@@ -75,6 +84,7 @@ def _count_of(structure) -> tf.Tensor | None:
             return tf.cast(leaf.dense_shape[0], tf.float32)
         if isinstance(leaf, tf.Tensor) and leaf.shape.rank:
             if leaf.shape[0] is not None:
-                return tf.constant(float(leaf.shape[0]))
+                # Static: every replica has this batch spec, so this count.
+                return int(leaf.shape[0])
             return tf.cast(tf.shape(leaf)[0], tf.float32)
     return None

@@ -138,34 +138,47 @@ def mean_gradients(grads, ctx=None, wire_dtype=None, options=None):
     if replicas == 1:
         return list(grads)
     count = example_count.current()
+    if count is None or isinstance(count, int):
+        # Every replica has the same number of examples (or none is known):
+        # the plain mean, one multiplication per gradient.
+        return _equal_mean(grads, ctx, replicas, wire_dtype, options)
     # weight = count / replicas: the common factor keeps the sums as small
-    # as the stock ones; without a count every replica weighs 1 / replicas.
-    if count is None:
-        weight = tf.constant(1.0 / replicas, tf.float32)
-    else:
-        weight = tf.cast(count, tf.float32) * (1.0 / replicas)
-    sent = []
-    for g in grads:
-        if g is None:
-            sent.append(None)
-            continue
-        g = _times(g, tf.cast(weight, g.dtype))
-        if wire_dtype is not None and g.dtype.is_floating and g.dtype.size > 2:
-            g = _cast(g, wire_dtype)
-        sent.append(g)
+    # as the stock ones. The weights travel in the gradients' pack.
+    weight = count * (1.0 / replicas)
+    sent = [_to_wire(_times(g, weight), wire_dtype) for g in grads]
     reduced = collectives.all_reduce(ctx, "sum", [*sent, weight], options)
-    total = reduced.pop()
-    out = []
-    for r, g in zip(reduced, grads, strict=True):
-        if r is None:
-            out.append(None)
-            continue
-        r = _cast(r, g.dtype)
-        out.append(_times(r, tf.math.reciprocal_no_nan(tf.cast(total, g.dtype))))
-    return out
+    inverse = tf.math.reciprocal_no_nan(reduced.pop())
+    return [
+        None if r is None else _times(_cast(r, g.dtype), inverse)
+        for r, g in zip(reduced, grads, strict=True)
+    ]
+
+
+def _equal_mean(grads, ctx, replicas, wire_dtype, options):
+    scale = 1.0 / replicas
+    sent = [_to_wire(_times(g, scale), wire_dtype) for g in grads]
+    reduced = collectives.all_reduce(ctx, "sum", sent, options)
+    return [
+        None if r is None else _cast(r, g.dtype)
+        for r, g in zip(reduced, grads, strict=True)
+    ]
+
+
+def _to_wire(g, wire_dtype):
+    if (
+        g is not None
+        and wire_dtype is not None
+        and g.dtype.is_floating
+        and g.dtype.size > 2
+    ):
+        return _cast(g, wire_dtype)
+    return g
 
 
 def _times(g, factor):
+    if g is None:
+        return None
+    factor = tf.cast(factor, g.dtype)
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
     return g * factor
@@ -316,7 +329,7 @@ _KERAS_SOURCE_LINES = {
     # copy only.
     "tensorflow.python.distribute.mirrored_strategy": (
         "def _replica_ctx_update(self, var, fn, args, kwargs, group):",
-        "var = var._get_replica(replica_id)  # pylint: disable=protected-access",
+        "var = var._get_replica(replica_id)",
     ),
 }
 
@@ -324,9 +337,7 @@ PATCH = registry.register(
     registry.Patch(
         name="replica_mean",
         targets=(
-            registry.Target(
-                loss_module, "scale_loss_for_distribution", _scale
-            ),
+            registry.Target(loss_module, "scale_loss_for_distribution", _scale),
             registry.Target(
                 loss_module, "unscale_loss_for_distribution", _unscale
             ),

@@ -61,6 +61,9 @@ class ReplicatorMixin:
         """
         patches.install_for(self.replicator_kind)
 
+    # Not converted by AutoGraph when called inside a tf.function: the
+    # wrapper converts `fn` itself, as `Strategy.run` does.
+    @tf.autograph.experimental.do_not_convert
     def run(self, fn, args=(), kwargs=None, options=None):
         """Runs `fn` on every replica; see `tf.distribute.Strategy.run`.
 
