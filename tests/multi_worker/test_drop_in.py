@@ -29,7 +29,9 @@ def test_row_matches_one_device(workers, name):
     for w in workers:
         actual = w.result[name]
         assert "error" not in actual, actual.get("error")
-        cases.assert_same(actual, expected, f"{name} (worker {w.index})")
+        cases.assert_same(
+            actual, expected, name, label=f"{name} (worker {w.index})"
+        )
 
 
 @pytest.mark.multi_worker
