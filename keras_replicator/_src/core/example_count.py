@@ -50,7 +50,9 @@ def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps `fn` (for `strategy.run`) to record its batch's example count.
 
     `fn` is converted by AutoGraph exactly as `strategy.run` would have
-    converted it; the wrapper itself is not converted.
+    converted it; the wrapper itself is not converted. A `tf.function` is
+    returned as it is: `MirroredStrategy` runs the replicas inside it (it
+    must stay a `tf.function` for that), and its steps count equally.
 
     Args:
         fn: The replica function.
@@ -58,6 +60,8 @@ def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
     Returns:
         A function with `fn`'s signature and results.
     """
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        return fn
     converted = autograph.tf_convert(
         fn, ag_ctx.control_status_ctx(), convert_by_default=False
     )
