@@ -67,3 +67,27 @@ def assert_weights_close(actual, expected, atol=1e-5):
         np.testing.assert_allclose(
             a, e, atol=atol, rtol=0, err_msg=f"weight {i} differs"
         )
+
+
+def replica_ordered_input_fn(x, y, global_batch):
+    """An `input_fn` where global replica r of step k takes batch N*k + r.
+
+    With N replicas over W workers, per-replica batches are grouped by
+    step, then the groups are sharded by worker, so the replicas together
+    see the first `global_batch` examples at step 0, the next at step 1,
+    and so on, as one device does.
+    """
+    import tensorflow as tf
+
+    def input_fn(ctx):
+        per_replica = ctx.get_per_replica_batch_size(global_batch)
+        local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .batch(per_replica)
+            .batch(local_replicas)
+            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .unbatch()
+        )
+
+    return input_fn

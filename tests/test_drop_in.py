@@ -18,6 +18,7 @@ import tensorflow as tf
 import keras_replicator as kr
 from keras_replicator._src.patches import registry
 from tests import drop_in_cases as cases
+from tests import helpers
 
 
 @functools.cache
@@ -128,18 +129,7 @@ def replicated_loss_object(replicator, wrap, global_batch=16, steps=6):
         if wrap:
             opt = replicator.wrap_optimizer(opt)
 
-    def input_fn(ctx):
-        # Global replica r of step k takes per-replica batch 4k + r: group
-        # this worker's replicas' batches, shard the groups by worker.
-        per_replica = ctx.get_per_replica_batch_size(global_batch)
-        local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        return (
-            tf.data.Dataset.from_tensor_slices((x, y))
-            .batch(per_replica)
-            .batch(local_replicas)
-            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            .unbatch()
-        )
+    input_fn = helpers.replica_ordered_input_fn(x, y, global_batch)
 
     def step_fn(batch):
         xb, yb = batch

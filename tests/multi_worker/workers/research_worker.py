@@ -13,6 +13,7 @@ replicator = kr.MultiWorkerReplicator()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tests import helpers  # noqa: E402
 from tests import test_optimizer as reference  # noqa: E402
 from tests.multi_worker import harness  # noqa: E402
 
@@ -51,18 +52,7 @@ def train(global_batch, calls, accumulation_steps):
             accumulation_steps=accumulation_steps,
         )
 
-    def input_fn(ctx):
-        # Global replica r of step k takes per-replica batch 4k + r: group
-        # this worker's replicas' batches, shard the groups by worker.
-        per_replica = ctx.get_per_replica_batch_size(global_batch)
-        local_replicas = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        return (
-            tf.data.Dataset.from_tensor_slices((x, y))
-            .batch(per_replica)
-            .batch(local_replicas)
-            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            .unbatch()
-        )
+    input_fn = helpers.replica_ordered_input_fn(x, y, global_batch)
 
     def step_fn(batch):
         xb, yb = batch
