@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Quiet TensorFlow's C++ start-up logging for the demo and the tests.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint docs install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,16 +22,21 @@ demo: $(STAMP)
 	$(BIN)/keras-replicator demo --replicas 2
 
 lint: $(STAMP)
-	$(BIN)/ruff check keras_replicator tests examples benchmarks
+	$(BIN)/ruff check keras_replicator tests examples benchmarks docs
 
 # In-process tests run in TEST_JOBS pytest-xdist processes (a file's tests
 # stay together); multi-worker tests start their own processes, one at a time.
 TEST_JOBS ?= 2
 
-test: $(STAMP) lint
+# The documentation site, into site/. Strict: a broken link or anchor, or an
+# API entry that does not resolve, fails the build. Runs offline.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: $(STAMP) lint docs
 	$(BIN)/pytest -q --timeout=600 -m "not multi_worker" -n $(TEST_JOBS) --dist loadfile
 	# Exit code 5 means no multi-worker test was collected.
 	$(BIN)/pytest -q --timeout=600 -m multi_worker || test $$? -eq 5
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site
