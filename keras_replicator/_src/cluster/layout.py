@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from keras_replicator._src.core import env
 
-# Measured on a 16-core host (issue 19; README "Speed").
+# Measured on a 16-core host (issue 19; docs/speed.md).
 MEASURED = (
     "8 CPU replicas in one process ran 1.34x the examples/sec of 8 worker "
     "processes on a 16-core host"
