@@ -95,7 +95,7 @@ def test_four_replicas_match_one_device(opt_fn):
 
 
 def test_plain_optimizer_averages_like_the_wrapper():
-    # Under our replicators a plain Keras optimizer averages the replicas'
+    # In `replicate` a plain Keras optimizer averages the replicas'
     # mean-loss gradients too (`patches/replica_mean.py`); stock Keras would
     # sum them, i.e. step 4x too far with plain SGD.
     sgd = lambda: keras.optimizers.SGD(learning_rate=0.05)  # noqa: E731

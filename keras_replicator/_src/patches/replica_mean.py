@@ -1,77 +1,86 @@
-"""One device's losses and gradients under our in-graph replicators.
+"""The gradient convention of each update, decided by the API that runs it.
 
-The symptom: single-device Keras code under a `tf.distribute` strategy logs
-or trains differently from one device. A custom `train_step` written as in
-the keras-io guide logs loss / N; `keras.optimizers.SGD(
-gradient_accumulation_steps=2)` fails with "`merge_call` called while
-defining a new graph or a tf.function"; `clipnorm` and `clipvalue` clip each
-replica's partial gradient; a `keras.losses.Loss` object in a `step_fn` with
-a mean-averaging optimizer trains N times too slowly; a ragged last batch
-(29 and 28 examples) weighs its examples unequally.
+Two conventions exist for combining the replicas' gradients, and code is
+written for one of them:
 
-The cause is one Keras 3.15 convention (TensorFlow backend):
+- **One device's** (Keras' `fit`/`evaluate` with any `train_step`, and the
+  TF-Replicator API: `replicate`, `wrap_optimizer`): each replica's loss is
+  the mean over its own examples, as on one device, and the replicas'
+  gradients are AVERAGED.
+- **tf.distribute's** (the user's own `strategy.run` with
+  `optimizer.apply_gradients`): each replica's loss is its share of the
+  global loss (`tf.nn.compute_average_loss(per_example_loss,
+  global_batch_size)` divides by the GLOBAL batch), and the shares'
+  gradients are SUMMED. TensorFlow's tutorial "Custom training with
+  tf.distribute.Strategy" and Keras' own distribute tests rely on it.
 
-- `keras/src/losses/loss.py`: `scale_loss_for_distribution` divides every
-  reduced loss by `num_replicas_in_sync` (`Loss` objects via
-  `reduce_values`, `compute_loss`, the regularization losses), and the
-  stock `train_step`/`test_step` multiply it back with
-  `unscale_loss_for_distribution` for their loss tracker; a custom step does
-  not;
-- `keras/src/backend/tensorflow/optimizer.py`: `_backend_update_step` SUMS
-  the gradients across replicas (`_all_reduce_sum_gradients`), i.e. AFTER
-  loss-scale unscaling and clipping, and INSIDE the `tf.cond` of gradient
-  accumulation, whose branches then need a `merge_call` that
-  `MirroredStrategy` refuses there.
+Stock Keras 3.15 (TensorFlow backend) serves both with one trick: it
+pre-divides every loss it reduces by the replica count
+(`keras/src/losses/loss.py`: `scale_loss_for_distribution`, in `Loss`
+objects, `compute_loss` and the regularization losses) and always sums
+(`keras/src/backend/tensorflow/optimizer.py`: `_all_reduce_sum_gradients`).
+That breaks single-device Keras code: a custom `train_step` logs loss / N;
+the sum runs AFTER loss-scale unscaling and clipping (which act on a
+replica's partial gradient) and INSIDE the `tf.cond` of gradient
+accumulation and EMA, whose `merge_call` MirroredStrategy refuses; a
+`keras.losses.Loss` in a `step_fn` with a mean-averaging optimizer trains N
+times too slowly; a ragged last batch (29 and 28 examples) weighs its
+examples unequally.
 
-The fix, under `LocalReplicator` and `MultiWorkerReplicator` only (this
-patch's `applies_to`; every other strategy and no strategy run the
-originals):
+The rule, decided per update at trace time from the running replica step
+(`core/replica_step.py`), under `LocalReplicator` and
+`MultiWorkerReplicator` only (this patch's `applies_to`; every other
+strategy and no strategy run the originals):
 
-1. Losses are not pre-divided: `scale_loss_for_distribution` and
-   `unscale_loss_for_distribution` return their argument. So every loss a
-   replica computes (a `Loss` object's, `compute_loss`'s) is its own batch's
-   mean, as on one device, and what a custom step logs is one device's
-   number. The stock steps' loss trackers are unchanged (they unscaled).
-2. Every optimizer averages the gradients across all replicas exactly once,
-   at the START of `apply`: before loss-scale unscaling, clipping,
-   accumulation, weight decay and the update, which therefore all act on
-   the global gradient as on one device. The mean is weighted by each
-   replica's example count (`core/example_count.py`), so a global batch
-   split unevenly weighs every example as one device does; the count
-   travels in the same packed all-reduce as the gradients (no extra
-   collective). When the batch size is static (the same on every replica)
-   or unknown, it is the plain mean. Hot-path cost against stock Keras:
-   one multiplication per gradient before the sum, plus one after it when
-   the batch size is dynamic (NumPy input), and a scalar in the pack.
-   Keras' own later sum is switched off for that optimizer and the
-   optimizers it wraps.
-3. The rest of the update needs no cross-replica step: the gradients are
-   the same on every replica, so each replica updates its own copy of each
-   variable in replica context, as `MirroredStrategy` already does on GPUs
-   under XLA (`_use_merge_call()` is False for the duration, on this
-   thread only). So the `tf.cond` of gradient accumulation and of
-   `ema_overwrite_frequency` contains no `merge_call`. A wrapping optimizer
-   (`LossScaleOptimizer`) keeps its stock cross-replica decision, which is
-   now the same on every replica and every worker (stock Keras took replica
-   0's unreduced gradients' finiteness, per worker).
+1. **Keras steps and `replicate` steps** (one device's convention). Losses
+   are not pre-divided (`scale_`/`unscale_loss_for_distribution` return
+   their argument), so a loss is the replica's own mean and what a custom
+   step logs is one device's number. Every optimizer averages the
+   gradients once, at the START of `apply`: before loss-scale unscaling,
+   clipping, accumulation, weight decay and the update, which therefore
+   all act on the global gradient as on one device. The mean is weighted
+   by each replica's example count, so an uneven split weighs every
+   example as one device does; the count travels in the gradients' pack.
+   Keras' own later sum is switched off. The gradients being the same on
+   every replica, each replica then updates its own copy of each variable
+   in replica context, as `MirroredStrategy` does on GPUs under XLA
+   (`_use_merge_call()` is False for the duration, on this thread only),
+   so the `tf.cond`s of accumulation and EMA hold no `merge_call`. A
+   wrapping optimizer (`LossScaleOptimizer`) keeps its stock cross-replica
+   decision, now the same on every replica and worker.
+2. **The user's own `strategy.run`** (tf.distribute's convention). A plain
+   optimizer runs Keras' stock code, bit for bit as under stock
+   `MirroredStrategy`/`MultiWorkerMirroredStrategy`: Keras divides its
+   losses, the gradients are summed. The design cannot see whether such a
+   step's loss was a share or a replica's mean when no scaling helper ran,
+   so it follows tf.distribute and logs once that it summed.
+   `ReplicatedOptimizer` (`wrap_optimizer`) averages, unless the step
+   scaled a loss as a share (then it sums).
+3. **TensorFlow's scaling helpers** (`tf.nn.compute_average_loss`,
+   `tf.nn.scale_regularization_loss`, and Keras'
+   `scale_loss_for_distribution` called by the user's own code) always
+   mean "this loss is my share". Their values are stock; inside a step of
+   one device's convention their gradient is multiplied by the replica
+   count, so the average of the replicas' gradients is the sum of the
+   shares' gradients: one device's update, also when the step adds a share
+   to a Keras loss (a custom `train_step` adding
+   `scale_regularization_loss`). Such a step averages its replicas
+   equally (a share already carries its examples' weight).
 
-`ReplicatedOptimizer` (`wrap_optimizer`) averages on its own (packed,
-compressed, accumulated) and marks its inner optimizers with
-`receiving_reduced`, so they do not average again.
+`gradient_reduction=` on the replicator overrides the rule for every
+update: `"mean"` treats every step as one device's (rule 1, also for
+`strategy.run`), `"sum"` as tf.distribute's (stock Keras everywhere, also
+in `fit`; a wrapped optimizer sums).
 
-Everything a step computes from its loss is one replica's mean over its own
-examples. A custom step that tracks `metric.update_state(loss)` without a
-sample weight averages the replicas' means: one device's number when every
-replica has the same number of examples. The stock steps weigh by the batch
-size and are exact for any split.
-
-`PATCH.pins` records the exact Keras source lines this relies on;
-`tests/test_patches.py` fails when a Keras upgrade changes them.
+`PATCH.pins` records the exact Keras and TensorFlow source lines this
+relies on; `tests/test_patches.py` fails when an upgrade changes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import threading
 
 import tensorflow as tf
@@ -81,13 +90,33 @@ from keras.src.optimizers import base_optimizer
 from keras.src.optimizers import loss_scale_optimizer
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.ops import nn as tf_nn
+from tensorflow.python.ops import nn_impl_distribute
 
 from keras_replicator._src import collectives
-from keras_replicator._src.core import example_count
+from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
 
 KINDS = frozenset({"local", "multi_worker"})
+_ONE_DEVICE_APIS = (replica_step.KERAS, replica_step.REPLICATOR)
+
+_logger = logging.getLogger("keras_replicator")
+_SUMMED_MESSAGE = (
+    "keras-replicator: `%s.apply_gradients` ran inside `strategy.run` on "
+    "%d replicas, and no loss of that step was scaled as a share "
+    "(`tf.nn.compute_average_loss`, `tf.nn.scale_regularization_loss` or a "
+    "`keras.losses.Loss`). As tf.distribute does, the replicas' gradients "
+    "are SUMMED: right when each replica's loss is its share of the global "
+    "loss (e.g. divided by the global batch size). If each replica's loss "
+    'is the mean over its own batch, pass `gradient_reduction="mean"` to '
+    "the replicator (or use `replicate` / `wrap_optimizer`) for one "
+    'device\'s numbers; pass `gradient_reduction="sum"` to keep the sum '
+    "without this message."
+)
+# Optimizer classes already told about the sum (the message is logged once
+# per class and process).
+_told: set[str] = set()
 
 _lock = threading.Lock()
 # id(optimizer) -> how many calls in flight gave it averaged gradients:
@@ -108,23 +137,109 @@ def is_ours(strategy=None) -> bool:
     return traits.kind(strategy) in KINDS
 
 
+def gradient_reduction(strategy) -> str:
+    """The replicator's override: `"auto"`, `"mean"` or `"sum"`."""
+    return getattr(strategy, "gradient_reduction", "auto")
+
+
+def one_device_convention(step=None, strategy=None) -> bool:
+    """Whether losses in the running step are replicas' own means.
+
+    True in Keras steps and `replicate` steps, and everywhere under
+    `gradient_reduction="mean"`; False in the user's own `strategy.run`
+    (or a `tf.function` given to it), and everywhere under
+    `gradient_reduction="sum"`.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    reduction = gradient_reduction(strategy)
+    if reduction != "auto":
+        return reduction == "mean"
+    step = step or replica_step.current()
+    return step is not None and step.api in _ONE_DEVICE_APIS
+
+
+def _active_step():
+    """The running replica step under one of ours with several replicas."""
+    step = replica_step.current()
+    if step is None:
+        return None
+    strategy = tf.distribute.get_strategy()
+    if not is_ours(strategy) or strategy.num_replicas_in_sync == 1:
+        return None
+    return step
+
+
 def _scale(original, value):
-    if is_ours():
-        return value
-    return original(value)
+    step = _active_step()
+    if step is None:
+        return original(value)
+    if _called_by_keras():
+        if one_device_convention(step):
+            return value
+        step.shares = True
+        return original(value)
+    # The user's own code scales a loss as its share (rule 3).
+    return _share(step, original(value))
 
 
 def _unscale(original, value):
-    if is_ours():
+    step = _active_step()
+    if step is not None and one_device_convention(step):
         return value
     return original(value)
+
+
+def _share_helper(original, *args, **kwargs):
+    """`tf.nn.compute_average_loss` / `scale_regularization_loss`."""
+    value = original(*args, **kwargs)
+    step = _active_step()
+    if step is None:
+        return value
+    return _share(step, value)
+
+
+def _share(step, value):
+    """Notes that `value` is a share of the global loss (rule 3).
+
+    In a step of one device's convention its gradient is multiplied by the
+    replica count, so that averaging the replicas sums the shares.
+    """
+    step.shares = True
+    if not one_device_convention(step):
+        return value
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+
+    @tf.custom_gradient
+    def share(x):
+        def grad(upstream):
+            return upstream * tf.cast(replicas, upstream.dtype)
+
+        return tf.identity(x), grad
+
+    return share(value)
+
+
+def _called_by_keras() -> bool:
+    """Whether Keras itself (a `Loss`, `compute_loss`) called the scaling.
+
+    Looked up while tracing: the first caller outside this package.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("keras_replicator.", "functools")):
+            return module.startswith("keras.")
+        frame = frame.f_back
+    return False
 
 
 def mean_gradients(grads, ctx=None, wire_dtype=None, options=None):
     """Averages `grads` over all replicas, weighted by example counts.
 
     Call it in a replica context. One packed all-reduce (per dtype) carries
-    the weighted gradients and the weights.
+    the weighted gradients and the weights. A step that scaled a loss as a
+    share averages its replicas equally (its shares already weigh their
+    examples).
 
     Args:
         grads: Gradients (tensors or `IndexedSlices`); None entries are
@@ -141,11 +256,12 @@ def mean_gradients(grads, ctx=None, wire_dtype=None, options=None):
     replicas = ctx.num_replicas_in_sync
     if replicas == 1:
         return list(grads)
-    count = example_count.current()
+    step = replica_step.current()
+    count = None if step is None or step.shares else step.count
     if count is None or isinstance(count, int):
         # Every replica has the same number of examples (or none is known):
         # the plain mean, one multiplication per gradient.
-        return _equal_mean(grads, ctx, replicas, wire_dtype, options)
+        return _scaled_sum(grads, ctx, 1.0 / replicas, wire_dtype, options)
     # weight = count / replicas: the common factor keeps the sums as small
     # as the stock ones. The weights travel in the gradients' pack.
     weight = count * (1.0 / replicas)
@@ -158,9 +274,42 @@ def mean_gradients(grads, ctx=None, wire_dtype=None, options=None):
     ]
 
 
-def _equal_mean(grads, ctx, replicas, wire_dtype, options):
-    scale = 1.0 / replicas
-    sent = [_to_wire(_times(g, scale), wire_dtype) for g in grads]
+def wrapped_gradients(grads, ctx, wire_dtype=None, options=None):
+    """Combines `grads` for `ReplicatedOptimizer`: averaged or summed.
+
+    `wrap_optimizer` promises one device's numbers for a replica's mean
+    loss: the average. It sums when the step's losses are shares: in the
+    user's own `strategy.run` after a scaling helper or a Keras `Loss` (or
+    everywhere under `gradient_reduction="sum"`).
+
+    Args:
+        grads: Gradients; None entries are passed through.
+        ctx: The replica context.
+        wire_dtype: If set, the dtype floating gradients travel in.
+        options: Optional `CommunicationOptions`.
+
+    Returns:
+        The combined gradients, in the order and dtypes of `grads`.
+    """
+    step = replica_step.current()
+    strategy = ctx.strategy
+    summed = gradient_reduction(strategy) == "sum" or (
+        not one_device_convention(step, strategy)
+        and step is not None
+        and step.shares
+    )
+    if summed and ctx.num_replicas_in_sync > 1:
+        return _scaled_sum(grads, ctx, 1.0, wire_dtype, options)
+    return mean_gradients(grads, ctx, wire_dtype, options)
+
+
+def _scaled_sum(grads, ctx, scale, wire_dtype, options):
+    """The sum over replicas of `grads` times `scale`, one pack per dtype."""
+    if scale != 1.0:
+        grads_sent = [_times(g, scale) for g in grads]
+    else:
+        grads_sent = list(grads)
+    sent = [_to_wire(g, wire_dtype) for g in grads_sent]
     reduced = collectives.all_reduce(ctx, "sum", sent, options)
     return [
         None if r is None else _cast(r, g.dtype)
@@ -278,9 +427,28 @@ def _apply(original, self, grads, trainable_variables=None):
     if fed:
         with _replica_local_updates(self):
             return original(self, grads, trainable_variables)
+    step = replica_step.current()
+    if not one_device_convention(step, ctx.strategy):
+        # tf.distribute's convention: stock Keras, which sums (rule 2).
+        _tell_summed(self, step, ctx)
+        return original(self, grads, trainable_variables)
     grads = mean_gradients(list(grads), ctx)
     with receiving_reduced(self), _replica_local_updates(self):
         return original(self, grads, trainable_variables)
+
+
+def _tell_summed(optimizer, step, ctx):
+    """Logs once per optimizer class when a sum may not be what was meant."""
+    if gradient_reduction(ctx.strategy) != "auto":
+        return
+    if step is not None and step.shares:
+        return
+    name = type(optimizer).__name__
+    with _lock:
+        if name in _told:
+            return
+        _told.add(name)
+    _logger.warning(_SUMMED_MESSAGE, name, ctx.num_replicas_in_sync)
 
 
 def _all_reduce_sum_gradients(original, self, grads_and_vars):
@@ -329,6 +497,11 @@ _KERAS_SOURCE_LINES = {
         "if tf.__internal__.distribute.strategy_supports_no_merge_call():",
         "self._stateful_handle_finite_grads,",
     ),
+    # The scaling helpers' stock values (a share of the global loss).
+    "tensorflow.python.ops.nn_impl_distribute": (
+        "return math_ops.div_no_nan(loss, global_batch_size)",
+        "return math_ops.reduce_sum(regularization_loss) / num_replicas",
+    ),
     # Without merge_call, a replica-context update touches this replica's
     # copy only.
     "tensorflow.python.distribute.mirrored_strategy": (
@@ -336,6 +509,17 @@ _KERAS_SOURCE_LINES = {
         "var = var._get_replica(replica_id)",
     ),
 }
+
+# Every module that exports the helpers: user code reaches them as `tf.nn.*`
+# (v1 and v2 compat too), TensorFlow's own code through `nn`.
+_HELPER_OWNERS = (
+    nn_impl_distribute,
+    tf_nn,
+    tf.nn,
+    tf.compat.v1.nn,
+    tf.compat.v2.nn,
+)
+_HELPERS = ("compute_average_loss", "scale_regularization_loss")
 
 PATCH = registry.register(
     registry.Patch(
@@ -364,6 +548,11 @@ PATCH = registry.register(
                 "_use_merge_call",
                 _use_merge_call,
             ),
+            *(
+                registry.Target(owner, name, _share_helper)
+                for owner in dict.fromkeys(_HELPER_OWNERS)
+                for name in _HELPERS
+            ),
         ),
         applies_to=KINDS,
         pins=tuple(
@@ -372,7 +561,7 @@ PATCH = registry.register(
         ),
         delete_when=(
             "Keras averages gradients once before clipping and accumulation "
-            "under tf.distribute and stops pre-dividing losses "
+            "in `fit` under tf.distribute and stops pre-dividing its losses "
             "(keras-team/keras: no issue filed yet)"
         ),
     )

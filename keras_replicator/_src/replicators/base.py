@@ -13,7 +13,7 @@ import threading
 import tensorflow as tf
 
 from keras_replicator._src import patches
-from keras_replicator._src.core import example_count
+from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.core import validation
 from keras_replicator._src.data import sharding
@@ -67,12 +67,15 @@ class ReplicatorMixin:
     def run(self, fn, args=(), kwargs=None, options=None):
         """Runs `fn` on every replica; see `tf.distribute.Strategy.run`.
 
-        Under in-graph replicators each replica notes how many examples its
-        batch holds (`core/example_count.py`), so that optimizers weigh the
-        replicas' gradients as one device weighs the examples.
+        Under in-graph replicators each replica notes which API runs it and
+        how many examples its batch holds (`core/replica_step.py`): an
+        optimizer in the user's own `run` keeps tf.distribute's gradient
+        convention (shares, summed), one in a Keras step or `replicate`
+        averages, weighing the replicas as one device weighs the examples.
+        See `gradient_reduction`.
         """
         if traits.is_in_graph(self):
-            fn = example_count.recording(fn)
+            fn = replica_step.recording(fn)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -97,6 +100,34 @@ class ReplicatorMixin:
                 dataset_fn
             )
         return super().distribute_datasets_from_function(dataset_fn, options)
+
+    def _set_gradient_reduction(self, gradient_reduction: str) -> None:
+        """Validates and keeps the `gradient_reduction` argument."""
+        if gradient_reduction not in replica_step.GRADIENT_REDUCTIONS:
+            raise ValueError(
+                "`gradient_reduction` must be one of "
+                f"{replica_step.GRADIENT_REDUCTIONS}. Received: "
+                f"gradient_reduction={gradient_reduction!r}"
+            )
+        self._gradient_reduction = gradient_reduction
+
+    @property
+    def gradient_reduction(self) -> str:
+        """How optimizers combine the replicas' gradients.
+
+        `"auto"` (the default) follows the API that runs the update: in
+        Keras' `fit`/`evaluate` (any `train_step`) and in `replicate` or
+        with `wrap_optimizer`, a loss is the replica's own mean and the
+        gradients are averaged (one device's numbers); in your own
+        `strategy.run` with a plain optimizer, tf.distribute's convention
+        holds (each replica's loss is its share, the gradients are summed,
+        as under stock `MirroredStrategy`). `tf.nn.compute_average_loss`
+        and `tf.nn.scale_regularization_loss` mean "my share" everywhere.
+        `"mean"` averages in every update, `"sum"` keeps stock
+        tf.distribute behaviour in every update (Keras divides its losses
+        by the replica count and sums).
+        """
+        return getattr(self, "_gradient_reduction", "auto")
 
     @property
     def is_chief(self) -> bool:

@@ -45,11 +45,17 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         devices: Device names such as `["/gpu:0", "/gpu:1"]` or
             `["/cpu:0", "/cpu:1"]`, one per replica. Defaults to the first
             `num_replicas` GPUs or logical CPUs.
+        gradient_reduction: How optimizers combine the replicas'
+            gradients: `"auto"` (follow the API: average in Keras' `fit`
+            and `replicate`, sum as tf.distribute does in your own
+            `strategy.run`), `"mean"` or `"sum"` in every update. See the
+            `gradient_reduction` property. Defaults to `"auto"`.
 
     Raises:
         ValueError: If `num_replicas` is not a positive integer, disagrees
             with `len(devices)`, asks for more GPUs than there are, or a
-            device does not exist here.
+            device does not exist here, or `gradient_reduction` is not
+            one of `"auto"`, `"mean"`, `"sum"`.
         RuntimeError: If CPU replicas are wanted but TensorFlow already
             initialised too few logical CPU devices.
     """
@@ -60,7 +66,9 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         self,
         num_replicas: int | None = None,
         devices: Sequence[str] | None = None,
+        gradient_reduction: str = "auto",
     ):
+        self._set_gradient_reduction(gradient_reduction)
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()

@@ -61,6 +61,11 @@ class MultiWorkerReplicator(
             a second and a 60 s bound that is 12,000 threads, and a step
             that legitimately waits longer (say, the chief saving a large
             checkpoint) fails. Use it to debug hangs.
+        gradient_reduction: How optimizers combine the replicas'
+            gradients: `"auto"` (follow the API: average in Keras' `fit`
+            and `replicate`, sum as tf.distribute does in your own
+            `strategy.run`), `"mean"` or `"sum"` in every update. See the
+            `gradient_reduction` property. Defaults to `"auto"`.
 
     Raises:
         ValueError: If the cluster is missing or malformed (the message names
@@ -78,7 +83,9 @@ class MultiWorkerReplicator(
         replicas_per_worker: int | None = None,
         timeout_seconds: float | None = 60,
         collective_timeout_seconds: float | None = None,
+        gradient_reduction: str = "auto",
     ):
+        self._set_gradient_reduction(gradient_reduction)
         validation.check_positive_int(
             "replicas_per_worker", replicas_per_worker, allow_none=True
         )

@@ -207,7 +207,7 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_and_apply(self, grads, trainable_variables):
         ctx = tf.distribute.get_replica_context()
-        reduced = replica_mean.mean_gradients(
+        reduced = replica_mean.wrapped_gradients(
             [None if g is None else _to_dense(g) for g in grads],
             ctx,
             wire_dtype=COMPRESSIONS[self.compression],

@@ -15,6 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import validation
 from keras_replicator._src.core.types import TensorTree
 
@@ -56,6 +57,15 @@ class ReplicatedStep:
         )
         self._iterator = iter(self.dataset)
         self._function = tf.function(self._run)
+
+        def replica_fn(batch):
+            return self._replica_step(batch)
+
+        # Optimizers in `step_fn` follow one device's gradient convention
+        # (`patches/replica_mean.py`).
+        self._replica_fn = replica_step.mark(
+            replica_fn, replica_step.REPLICATOR
+        )
 
     def __call__(self) -> TensorTree | list[TensorTree] | None:
         """Advances every replica by `steps_per_call` steps.
@@ -113,7 +123,7 @@ class ReplicatedStep:
 
     def _one_step(self, iterator):
         per_replica = self.strategy.run(
-            self._replica_step, args=(next(iterator),)
+            self._replica_fn, args=(next(iterator),)
         )
         if all(v is None for v in tf.nest.flatten(per_replica)):
             return None
