@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 
 def conv_dense_model(batch_norm=None, num_classes=3):
@@ -91,3 +92,18 @@ def replica_ordered_input_fn(x, y, global_batch):
         )
 
     return input_fn
+
+
+def stock_mirrored():
+    """Stock `MirroredStrategy` on CPU:0 and CPU:1, the reference strategy.
+
+    It reduces on one device instead of with collective ops: two stock
+    instances in one process number their collectives alike and abort each
+    other ("Shape mismatch in the collective instance",
+    tensorflow/tensorflow#62790), which our replicators avoid. A sum of two
+    replicas is the same float either way.
+    """
+    return tf.distribute.MirroredStrategy(
+        ["CPU:0", "CPU:1"],
+        cross_device_ops=tf.distribute.ReductionToOneDevice(),
+    )

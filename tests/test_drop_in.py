@@ -44,22 +44,15 @@ _STOCK_ROWS = (
 )
 
 
-def _stock_mirrored():
-    return tf.distribute.MirroredStrategy(
-        ["CPU:0", "CPU:1"],
-        cross_device_ops=tf.distribute.ReductionToOneDevice(),
-    )
-
-
 @pytest.mark.parametrize("name", _STOCK_ROWS)
 def test_no_strategy_and_stock_strategies_keep_stock_numbers(
     name, restore_patches
 ):
     kr.LocalReplicator(2)  # installs every patch of its kind
     assert registry.installed("replica_mean")
-    patched = [cases.run(name), cases.run(name, _stock_mirrored())]
+    patched = [cases.run(name), cases.run(name, helpers.stock_mirrored())]
     restore_patches.uninstall_all()
-    stock = [cases.run(name), cases.run(name, _stock_mirrored())]
+    stock = [cases.run(name), cases.run(name, helpers.stock_mirrored())]
     for got, expected in zip(patched, stock, strict=True):
         assert got == expected, f"{name}: differs from stock Keras"
 
@@ -70,7 +63,7 @@ def test_stock_mirrored_still_divides_custom_step_logs(restore_patches):
     # not. This is the bug our replicators fix, left alone elsewhere.
     kr.LocalReplicator(2)
     one = _one_device("custom_train_step")["history"]["loss"]
-    stock = cases.run("custom_train_step", _stock_mirrored())
+    stock = cases.run("custom_train_step", helpers.stock_mirrored())
     np.testing.assert_allclose(
         stock["history"]["loss"], np.divide(one, 2), rtol=1e-5
     )

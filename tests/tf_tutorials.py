@@ -179,8 +179,12 @@ def custom_training(strategy=None, epochs=EPOCHS):
     return {"logs": logs, "weights": [np.asarray(w) for w in model.weights]}
 
 
-def multi_worker_ctl(strategy=None, steps_per_epoch=4, epochs=EPOCHS):
+def multi_worker_ctl(
+    strategy=None, steps_per_epoch=4, epochs=EPOCHS, wrap=False
+):
     """The multi_worker_with_ctl tutorial's loop; returns logs and weights.
+
+    With `wrap=True` the optimizer is `strategy.wrap_optimizer`'s.
 
     Its `dataset_fn` shards by input pipeline and batches per worker; the
     data here is ordered so that every topology sees the same global
@@ -227,6 +231,8 @@ def multi_worker_ctl(strategy=None, steps_per_epoch=4, epochs=EPOCHS):
         optimizer = tf.keras.optimizers.RMSprop(learning_rate=0.001)
         # Built here (Keras 3), as in `custom_training`.
         optimizer.build(multi_worker_model.trainable_variables)
+        if wrap:
+            optimizer = strategy.wrap_optimizer(optimizer)
         train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(
             name="train_accuracy"
         )
