@@ -20,3 +20,6 @@ LAUNCH_RESULT = "KERAS_REPLICATOR_LAUNCH_RESULT"
 PREEMPTION_SIGNALS = "KERAS_REPLICATOR_PREEMPTION_SIGNALS"
 # About how often, in seconds, multi-worker fit agrees on a pending signal.
 PREEMPTION_CHECK_SECONDS = "KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS"
+# Seconds without progress after which the hang watchdog ends a process
+# (training/hang_watchdog.py); "0" or "off" turns it off.
+HANG_SECONDS = "KERAS_REPLICATOR_HANG_SECONDS"

@@ -8,6 +8,7 @@ replicators install the ones of their kind (`install_for`). See
 from keras_replicator._src.patches import atomic_assign
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import exact_eval
+from keras_replicator._src.patches import hang_watchdog
 from keras_replicator._src.patches import iterator_teardown
 from keras_replicator._src.patches import keras_compat
 from keras_replicator._src.patches import nested_collectives
@@ -21,6 +22,7 @@ __all__ = (
     "atomic_assign",
     "chief_only",
     "exact_eval",
+    "hang_watchdog",
     "install_for",
     "iterator_teardown",
     "keras_compat",

@@ -23,7 +23,16 @@ epoch" (keras-team/keras#17012, #19179). Under `LocalReplicator` and
   uninterrupted run: the data iterators the earlier epochs made are made
   again (a seeded `reshuffle_each_iteration` shuffle draws its order per
   iterator) and the batches already trained in the epoch are skipped. Only
-  their input pipeline runs, no training step.
+  their input pipeline runs, no training step;
+- records the topology (replicator, workers, replicas) in every backup. A
+  backup resumes on any other topology: weights and optimizer state are
+  the same variables everywhere, and Keras splits each global batch over
+  the replicas. Where the batches of the epoch in progress would differ
+  there (another number of batches, or `replicator.distribute` data whose
+  steps depend on the number of workers), a mid-epoch resume raises a
+  `ValueError` that says so, instead of skipping or repeating examples;
+- stops the hang watchdog's clock while a backup is written, and counts a
+  train batch end as its progress (`training/hang_watchdog.py`).
 
 `fit_scope` (composed into `fit` by `trainer_loops`) installs the signal
 handlers for one fit and puts them back after it, however it ends.
@@ -35,6 +44,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 
 import keras
@@ -45,6 +55,7 @@ from keras.src.callbacks import callback_list
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import registry
+from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import preemption
 
 # Our own entry in BackupAndRestore's metadata (Keras reads only "epoch").
@@ -102,6 +113,16 @@ def _run_for(model) -> _Run | None:
     return None
 
 
+def position(model):
+    """A function giving the epoch `model`'s fit is in, for messages."""
+
+    def where():
+        run = _run_for(model)
+        return None if run is None else f"epoch {run.epoch + 1}"
+
+    return where
+
+
 # CallbackList hooks: progress, then the check after every callback ran.
 
 
@@ -126,6 +147,8 @@ def _on_train_batch_end(original, self, batch, logs=None):
         return original(self, batch, logs)
     run.done = batch + 1
     original(self, batch, logs)
+    # The step and its callbacks are done: the hang watchdog's progress.
+    hang_watchdog.beat()
     if run.agreement.should_stop():
         _stop(self, run)
     return None
@@ -185,8 +208,16 @@ def _paths_in(backup, directory: str) -> Iterator[None]:
 
 def _save_model(original, self):
     run = _run_for(self.model)
+    if run is None:
+        return original(self)
+    # A save may take long; the hang watchdog's clock stops meanwhile.
+    with hang_watchdog.paused():
+        return _save_atomically(original, self, run)
+
+
+def _save_atomically(original, self, run: _Run):
     target = os.fspath(self.backup_dir)
-    if run is None or not _local(target):
+    if not _local(target):
         return original(self)
     partial = target + PARTIAL_SUFFIX
     previous = target + PREVIOUS_SUFFIX
@@ -207,6 +238,7 @@ def _save_model(original, self):
         metadata[METADATA_KEY] = {
             "epoch": run.epoch,
             "steps_done": run.done,
+            "topology": topology(run.strategy),
             **_data_state(run),
         }
         with open(self._training_metadata_path, "w") as f:
@@ -238,7 +270,121 @@ def _load_model(original, self):
         # Without our entry (a backup of stock Keras) the fit starts at the
         # saved epoch's first step, as in Keras.
         run.resume = metadata.get(METADATA_KEY)
+        if run.resume:
+            run.resume["backup_dir"] = target
+            _note_topology(run)
     return None
+
+
+# The topology: recorded in every backup, checked on resume.
+
+
+def topology(strategy) -> dict:
+    """What a backup records of the replicator it was written under."""
+    return {
+        "replicator": type(strategy).__name__,
+        "workers": int(getattr(strategy, "num_workers", 1) or 1),
+        "replicas": int(strategy.num_replicas_in_sync),
+    }
+
+
+def _describe(saved: dict) -> str:
+    workers = saved.get("workers", 1)
+    replicas = saved.get("replicas", "?")
+    name = saved.get("replicator", "a replicator")
+    if workers > 1:
+        return f"{name} ({workers} workers, {replicas} replicas)"
+    return f"{name} ({replicas} replicas)"
+
+
+def _note_topology(run: _Run) -> None:
+    """Says so when a backup resumes on another topology (chief only)."""
+    saved = run.resume.get("topology")
+    now = topology(run.strategy)
+    if not saved or not getattr(run.strategy, "is_chief", True):
+        return
+    if (saved.get("workers"), saved.get("replicas")) == (
+        now["workers"],
+        now["replicas"],
+    ):
+        return
+    print(
+        f"[keras-replicator] resuming a backup written on "
+        f"{_describe(saved)} on {_describe(now)}, with the same global "
+        "batch.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _sharded_input(epoch_iterator):
+    """Our sharder's input function behind the fit's data, if it is one."""
+    dataset = getattr(epoch_iterator.data_adapter, "_dataset", None)
+    input_fn = getattr(dataset, "_dataset_fn", None)
+    if hasattr(input_fn, "shuffle_seed") and hasattr(input_fn, "policies"):
+        return input_fn
+    return None
+
+
+def _order_by_workers(epoch_iterator, strategy) -> bool:
+    """Whether the examples of each step depend on the number of workers.
+
+    Keras' own data (arrays, datasets) is split batch by batch, the same on
+    every topology. `replicator.distribute` shards the examples over the
+    workers first: on several workers, a shuffle within each shard, or
+    shards by file or by the input function, put other examples in a step.
+    """
+    input_fn = _sharded_input(epoch_iterator)
+    workers = int(getattr(strategy, "num_workers", 1) or 1)
+    if input_fn is None or workers < 2:
+        return False
+    policy = input_fn.policies.get(workers, "element")
+    return input_fn.shuffle_seed is not None or policy != "element"
+
+
+def _check_exact(epoch_iterator, resume: dict) -> None:
+    """Raises when resuming inside this epoch would skip or repeat examples.
+
+    Raises:
+        ValueError: If the backup was written inside an epoch whose batches
+            differ here: another number of batches, or data whose examples
+            per step depend on the number of workers, which differs.
+    """
+    done = resume["steps_done"]
+    saved = resume.get("topology")
+    if not done or not saved:
+        # An epoch-end backup: the next epoch starts afresh anywhere.
+        return
+    strategy = epoch_iterator._distribute_strategy
+    now = topology(strategy)
+    problems = []
+    recorded, current = resume.get("num_batches"), epoch_iterator._num_batches
+    if recorded and current and recorded != current:
+        problems.append(
+            f"its epochs had {recorded} batches and have {current} here"
+        )
+    if saved.get("workers", 1) != now["workers"] and (
+        resume.get("order_by_workers")
+        or _order_by_workers(epoch_iterator, strategy)
+    ):
+        problems.append(
+            "its data (`replicator.distribute` with a `shuffle_seed`, or "
+            "sharded by file or by the input function) puts other examples "
+            "in each step on another number of workers"
+        )
+    if not problems:
+        return
+    raise ValueError(
+        "This backup cannot resume exactly here: it was written after step "
+        f"{done} of epoch {resume['epoch'] + 1} on {_describe(saved)}, and "
+        f"on {_describe(now)} {' and '.join(problems)}, so finishing that "
+        "epoch would skip some examples and repeat others. Resume on the "
+        "same topology, or from a backup written at an epoch end "
+        "(`BackupAndRestore(save_freq='epoch')`; the next epoch then "
+        "starts afresh on any topology), or delete the backup to start "
+        f"over. Received: backup_dir={resume.get('backup_dir')!r}, "
+        f"backup topology={saved}, this topology={now}"
+    )
 
 
 # The data iterator: counted while training, replayed on resume.
@@ -283,6 +429,7 @@ def _data_state(run: _Run) -> dict:
         "batches_seen": it._steps_seen,
         "num_batches": it._num_batches,
         "current": it._current_iterator is not None,
+        "order_by_workers": _order_by_workers(it, run.strategy),
     }
 
 
@@ -297,6 +444,7 @@ def _resumed(original, self, resume: dict):
     current one gave are pulled again, untrained.
     """
     done = resume["steps_done"]
+    _check_exact(self, resume)
     if self._num_batches is None:
         # Learnt in the first epoch of an unknown-cardinality dataset.
         self._num_batches = resume["num_batches"]

@@ -1,6 +1,6 @@
 """Keras' `fit`, `evaluate` and `predict`: the replicator's own loops, if any.
 
-Two behaviours need these entry points, and one patch owns them:
+Several behaviours need these entry points, and one patch owns them:
 
 - Under `AsyncReplicator` Keras 3 cannot train at all (keras-team/keras#18624:
   its trainer calls `strategy.run` on the coordinator, which a
@@ -12,6 +12,8 @@ Two behaviours need these entry points, and one patch owns them:
   `evaluate`, the model learns whether `x` is data the sharder padded.
 - Preemption (`preemption`): the stock `fit` runs with the preemption
   signal handlers installed, and they are put back however it ends.
+- The hang watchdog (`training/hang_watchdog.py`): under `LocalReplicator`
+  and `MultiWorkerReplicator` each call is a watched loop.
 
 Everything else, including every model under no strategy or a stock
 `tf.distribute` strategy, runs Keras' stock method unchanged.
@@ -27,6 +29,7 @@ from keras_replicator._src.core import traits
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
+from keras_replicator._src.training import hang_watchdog
 
 
 def _loops(model):
@@ -58,10 +61,17 @@ def _dispatch(name):
         if name == "evaluate":
             x = _arguments(original, self, args, kwargs).get("x")
             exact_eval.prepare(self, x)
+        strategy = traits.model_strategy(self)
+        if not traits.is_in_graph(strategy):
+            return original(self, *args, **kwargs)
         if name == "fit":
             with preemption.fit_scope(self):
-                return original(self, *args, **kwargs)
-        return original(self, *args, **kwargs)
+                with hang_watchdog.watching(
+                    strategy, name, preemption.position(self)
+                ):
+                    return original(self, *args, **kwargs)
+        with hang_watchdog.watching(strategy, name):
+            return original(self, *args, **kwargs)
 
     method.__name__ = name
     return method

@@ -18,6 +18,7 @@ from keras_replicator._src.core import traits
 from keras_replicator._src.core import validation
 from keras_replicator._src.data import sharding
 from keras_replicator._src.patches import iterator_teardown
+from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import optimizer as optimizer_lib
 from keras_replicator._src.training import replicate as replicate_lib
 
@@ -128,6 +129,21 @@ class ReplicatorMixin:
         by the replica count and sums).
         """
         return getattr(self, "_gradient_reduction", "auto")
+
+    def _set_hang_seconds(self, hang_seconds: float | None) -> None:
+        """Validates and keeps the `hang_seconds` argument."""
+        hang_watchdog.check_setting("hang_seconds", hang_seconds)
+        self._hang_seconds = hang_seconds
+
+    @property
+    def hang_seconds(self) -> float | None:
+        """The hang watchdog's timeout as given (None: from the environment).
+
+        None reads `KERAS_REPLICATOR_HANG_SECONDS` when a loop starts
+        (default 600 s); 0 turns the watchdog off. See
+        `training/hang_watchdog.py`.
+        """
+        return getattr(self, "_hang_seconds", None)
 
     @property
     def is_chief(self) -> bool:

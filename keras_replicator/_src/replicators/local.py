@@ -50,12 +50,20 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
             and `replicate`, sum as tf.distribute does in your own
             `strategy.run`), `"mean"` or `"sum"` in every update. See the
             `gradient_reduction` property. Defaults to `"auto"`.
+        hang_seconds: The hang watchdog's timeout: after this many seconds
+            without a finished step in `fit`, `evaluate`, `predict` or a
+            `replicate` call, the process prints every thread's stack and
+            exits with code 76 (in a notebook: the loop raises a
+            `RuntimeError`). The first step of a loop and checkpoint saves
+            are not timed. 0 turns it off. Defaults to None:
+            `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
 
     Raises:
         ValueError: If `num_replicas` is not a positive integer, disagrees
             with `len(devices)`, asks for more GPUs than there are, or a
             device does not exist here, or `gradient_reduction` is not
-            one of `"auto"`, `"mean"`, `"sum"`.
+            one of `"auto"`, `"mean"`, `"sum"`, or `hang_seconds` is
+            negative.
         RuntimeError: If CPU replicas are wanted but TensorFlow already
             initialised too few logical CPU devices.
     """
@@ -67,8 +75,10 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         num_replicas: int | None = None,
         devices: Sequence[str] | None = None,
         gradient_reduction: str = "auto",
+        hang_seconds: float | None = None,
     ):
         self._set_gradient_reduction(gradient_reduction)
+        self._set_hang_seconds(hang_seconds)
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()

@@ -60,12 +60,21 @@ class MultiWorkerReplicator(
             thread per collective, alive for the whole timeout: at 100 steps
             a second and a 60 s bound that is 12,000 threads, and a step
             that legitimately waits longer (say, the chief saving a large
-            checkpoint) fails. Use it to debug hangs.
+            checkpoint) fails. Use it to debug hangs; the hang watchdog
+            (`hang_seconds`) catches them at no cost per step.
         gradient_reduction: How optimizers combine the replicas'
             gradients: `"auto"` (follow the API: average in Keras' `fit`
             and `replicate`, sum as tf.distribute does in your own
             `strategy.run`), `"mean"` or `"sum"` in every update. See the
             `gradient_reduction` property. Defaults to `"auto"`.
+        hang_seconds: The hang watchdog's timeout: after this many seconds
+            without a finished step in `fit`, `evaluate`, `predict` or a
+            `replicate` call, the worker prints every thread's stack and
+            exits with code 76, which `keras-replicator launch
+            --max-restarts` restarts. The first step of a loop and
+            checkpoint saves (this worker's or another's) are not timed; a
+            stall warning names the workers behind. 0 turns it off.
+            Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
 
     Raises:
         ValueError: If the cluster is missing or malformed (the message names
@@ -84,8 +93,10 @@ class MultiWorkerReplicator(
         timeout_seconds: float | None = 60,
         collective_timeout_seconds: float | None = None,
         gradient_reduction: str = "auto",
+        hang_seconds: float | None = None,
     ):
         self._set_gradient_reduction(gradient_reduction)
+        self._set_hang_seconds(hang_seconds)
         validation.check_positive_int(
             "replicas_per_worker", replicas_per_worker, allow_none=True
         )

@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import validation
 from keras_replicator._src.core.types import TensorTree
+from keras_replicator._src.training import hang_watchdog
 
 REDUCTIONS = ("mean", "sum", None)
 
@@ -57,6 +58,9 @@ class ReplicatedStep:
         )
         self._iterator = iter(self.dataset)
         self._function = tf.function(self._run)
+        # Each call is timed by the hang watchdog; the time between calls
+        # is the caller's.
+        self._watch = hang_watchdog.StepWatch(strategy)
 
         def replica_fn(batch):
             return self._replica_step(batch)
@@ -85,7 +89,8 @@ class ReplicatedStep:
             TypeError: On the first call, if `reduce` is `"mean"` or `"sum"`
                 and an output is not numeric (e.g. `bool`).
         """
-        outputs = self._function(self._iterator)
+        with self._watch:
+            outputs = self._function(self._iterator)
         if self.reduce is None and outputs is not None:
             return list(outputs)
         return outputs

@@ -1,0 +1,594 @@
+"""The hang watchdog: a process whose training stops making progress ends.
+
+A worker that is alive but stuck (a callback that never returns, a
+deadlocked input pipeline) keeps sending TensorFlow's heartbeats, so
+nothing ends it, and every other worker waits in its next collective
+forever. Under `LocalReplicator` and `MultiWorkerReplicator`, while `fit`,
+`evaluate`, `predict` or a `replicate` step call runs, one daemon thread
+per process (started by the first such loop) watches for progress:
+
+- Progress is a batch end whose callbacks returned (Keras' loops), or a
+  `replicate` step call that returned. The time between two step calls
+  is the caller's own code and is not timed.
+- Not timed: the first step of every loop (tracing and compiling it), the
+  saves of `BackupAndRestore` and `ModelCheckpoint`, and, on several
+  workers, the time another worker spends in such a save: each worker
+  publishes its saves in TensorFlow's coordination-service key-value store
+  (from this thread, never from the loop), and a worker that waits reads
+  them before it warns or ends.
+- After `warn_seconds` without progress (the smaller of half the timeout
+  and the larger of 60 s and 10 times the slowest step so far), a stall
+  warning names this task and its step and, on several workers, the step
+  every worker is at (published and read at that moment only), so the
+  worker that lags behind is named.
+- After `seconds` without progress (`KERAS_REPLICATOR_HANG_SECONDS`, or
+  the replicator's `hang_seconds`; default 600; 0 turns it off) the
+  process prints a header with its task and step and every thread's
+  Python stack (`faulthandler`), and exits with `EXIT_CODE` (76), which
+  restart policies (`launch --max-restarts`, Kubernetes, Slurm) take as
+  "start again": training resumes from its backup. In an interactive
+  session (a notebook kernel, `python -i`) it prints the same, then
+  interrupts the loop's thread, and the loop raises a `RuntimeError`; the
+  kernel lives on.
+
+Per step a loop only writes a few attributes and reads the monotonic
+clock. The thread wakes about once a second (20 times per timeout for
+timeouts under 20 s). It is a Python thread: code that holds the GIL
+forever stops it too (TensorFlow releases the GIL while it runs ops and
+waits in collectives, and so does Python while it sleeps or waits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from keras_replicator._src.core import env
+from keras_replicator._src.core import traits
+
+# sysexits.h EX_PROTOCOL, next to preemption's 75 (EX_TEMPFAIL): "start
+# again", as 75, but counted as a failure by restart policies, so that a
+# run that hangs every time stops being restarted.
+EXIT_CODE = 76
+DEFAULT_SECONDS = 600.0
+HEADER = "[keras-replicator watchdog]"
+# The stall warning comes after the smaller of half the timeout and the
+# larger of these: a fixed floor and a multiple of the slowest step.
+_WARN_FLOOR_SECONDS = 60.0
+_WARN_SLOWEST_FACTOR = 10.0
+# How long a warning waits for other workers to publish their step.
+_SETTLE_SECONDS = 5.0
+# Bound on all reads of the other workers' states at one check.
+_READ_SECONDS = 3.0
+# A notebook loop still stuck this long after its interrupt is stuck
+# inside TensorFlow, which no Python exception can reach.
+_INTERRUPT_NOTE_SECONDS = 30.0
+_KEY_PREFIX = "keras_replicator/watchdog/"
+_OFF = ("0", "off", "none", "")
+
+
+def resolve_seconds(setting: float | None = None) -> float | None:
+    """The timeout in seconds: `setting`, else the environment, else 600.
+
+    Args:
+        setting: A replicator's `hang_seconds`: None (use
+            `KERAS_REPLICATOR_HANG_SECONDS`, default 600), 0 (off) or a
+            positive number.
+
+    Returns:
+        The timeout, or None when the watchdog is off.
+
+    Raises:
+        ValueError: If `KERAS_REPLICATOR_HANG_SECONDS` is not a
+            non-negative number or "off".
+    """
+    if setting is not None:
+        return float(setting) if setting > 0 else None
+    text = os.environ.get(env.HANG_SECONDS)
+    if text is None:
+        return DEFAULT_SECONDS
+    if text.strip().lower() in _OFF:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or value == math.inf:
+        raise ValueError(
+            f"`{env.HANG_SECONDS}` must be a non-negative number of seconds "
+            f"(0 or 'off' turns the hang watchdog off). Received: {text!r}"
+        )
+    return value or None
+
+
+def check_setting(name: str, value: Any) -> None:
+    """Validates a replicator's `hang_seconds` argument.
+
+    Raises:
+        ValueError: Unless `value` is None, 0 or a positive finite number.
+    """
+    ok = value is None or (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value < math.inf
+    )
+    if not ok:
+        raise ValueError(
+            f"`{name}` must be None (read `{env.HANG_SECONDS}`, default "
+            f"{DEFAULT_SECONDS:g}), 0 (off) or a positive number of seconds. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def interactive() -> bool:
+    """Whether this process is an interactive session (a notebook kernel).
+
+    There the watchdog raises an error in the loop instead of ending the
+    process.
+    """
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    return get is not None and get() is not None
+
+
+class _Frame:
+    """One watched loop (a Keras loop, or a `replicate` step's calls)."""
+
+    def __init__(self, kind, seconds, task, cluster, where=None):
+        self.kind = kind
+        self.seconds = seconds
+        self.task = task
+        self.cluster = cluster
+        self.where = where
+        # Steps finished; the one in flight is `steps + 1`.
+        self.steps = 0
+        self.last = time.monotonic()
+        # False until the first step finished: it traces and compiles.
+        self.armed = False
+        self.slowest = 0.0
+        self.thread = threading.get_ident()
+        self.warned = False
+        self.fired: float | None = None
+        self.noted = False
+
+    def position(self, step: bool = True) -> str:
+        """`"fit, step 51 (epoch 7)"`; without `step`, `"fit (epoch 7)"`."""
+        where = self.where() if self.where is not None else None
+        text = f"{self.kind}, step {self.steps + 1}" if step else self.kind
+        return f"{text} ({where})" if where else text
+
+
+class _Cluster:
+    """This worker's and the others' states in the coordination service."""
+
+    def __init__(self, task: str, tasks: list[str]):
+        self.task = task
+        self.peers = [t for t in tasks if t != task]
+
+    @classmethod
+    def of(cls, strategy: Any) -> _Cluster | None:
+        config = getattr(strategy, "cluster_config", None)
+        if config is None or getattr(strategy, "num_workers", 1) < 2:
+            return None
+        tasks = [
+            f"{job}:{i}"
+            for job in ("chief", "worker")
+            for i in range(len(config.cluster.get(job, ())))
+        ]
+        return cls(f"{config.task_type}:{config.task_index}", tasks)
+
+    def publish(self, state: dict) -> None:
+        from tensorflow.python.eager import context
+
+        key = _KEY_PREFIX + self.task
+        # The store never overwrites: delete, then insert. A reader in
+        # between waits for the insert.
+        try:
+            context.context().delete_config_key_value(key)
+        except Exception:  # noqa: BLE001 - no key yet, or no service
+            pass
+        try:
+            context.context().set_config_key_value(key, json.dumps(state))
+        except Exception:  # noqa: BLE001 - reported as "no report"
+            pass
+
+    def read(self) -> dict[str, dict | None]:
+        from tensorflow.python.eager import context
+
+        deadline = time.monotonic() + _READ_SECONDS
+        states: dict[str, dict | None] = {}
+        for peer in self.peers:
+            # 0 would mean "wait forever".
+            left = int((deadline - time.monotonic()) * 1000)
+            states[peer] = None
+            if left < 1:
+                continue
+            try:
+                text = context.context().get_config_key_value(
+                    _KEY_PREFIX + peer, timeout_in_ms=left
+                )
+                states[peer] = json.loads(text)
+            except Exception:  # noqa: BLE001 - not published, or no service
+                pass
+        return states
+
+
+def _task_of(strategy: Any) -> str:
+    config = getattr(strategy, "cluster_config", None)
+    if config is not None:
+        return f"{config.task_type}:{config.task_index}"
+    return f"local (pid {os.getpid()})"
+
+
+class _Watchdog:
+    """The process-wide state and its thread."""
+
+    def __init__(self):
+        self.frames: list[_Frame] = []
+        self.paused = 0
+        self.resumed_wall = 0.0
+        # A pause began or ended: the thread publishes it.
+        self.dirty = False
+        self.wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.failed = False
+        # The timeout the thread last learnt of.
+        self.basis: float | None = None
+
+    def start(self) -> None:
+        if self.thread is not None:
+            return
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._loop, name="kr-hang-watchdog", daemon=True
+                )
+                self.thread.start()
+
+    def push(self, frame: _Frame) -> None:
+        self.frames.append(frame)
+        if frame.seconds is not None and frame.seconds != self.basis:
+            # A new timeout (rarely: not every step call): the thread may
+            # have to start, or to check more often.
+            self.basis = frame.seconds
+            self.start()
+            self.wake.set()
+
+    def pop(self, frame: _Frame) -> None:
+        try:
+            self.frames.remove(frame)
+        except ValueError:
+            return
+        if self.frames:
+            # The enclosing loop's clock starts again (it waited for this
+            # one, e.g. fit for its validation).
+            outer = self.frames[-1]
+            outer.last = time.monotonic()
+            outer.warned = False
+
+    def _interval(self) -> float:
+        frames = self.frames
+        seconds = frames[-1].seconds if frames else None
+        if seconds is None:
+            return 1.0
+        return min(1.0, max(0.05, seconds / 20))
+
+    def _loop(self) -> None:
+        while True:
+            self.wake.wait(self._interval())
+            self.wake.clear()
+            try:
+                self._check()
+            except Exception as error:  # noqa: BLE001 - the thread lives on
+                if not self.failed:
+                    self.failed = True
+                    _print(f"{HEADER} check failed: {error!r}")
+
+    def _state(self, frame: _Frame) -> dict:
+        return {
+            "kind": frame.kind,
+            "step": frame.steps + 1,
+            "paused": self.paused > 0,
+            "resumed": self.resumed_wall,
+            "time": time.time(),
+        }
+
+    def _check(self) -> None:
+        frames = list(self.frames)
+        frame = frames[-1] if frames else None
+        if frame is None:
+            return
+        if self.dirty and frame.cluster is not None:
+            self.dirty = False
+            frame.cluster.publish(self._state(frame))
+        if frame.fired is not None:
+            self._note_stuck(frame)
+            return
+        if frame.seconds is None or not frame.armed or self.paused:
+            return
+        idle = time.monotonic() - frame.last
+        warn_after = warn_seconds(frame.seconds, frame.slowest)
+        if idle < warn_after:
+            return
+        peers: dict[str, dict | None] = {}
+        if frame.cluster is not None:
+            frame.cluster.publish(self._state(frame))
+            peers = frame.cluster.read()
+            since = _peer_progress(peers, idle)
+            if since is not None:
+                # Another worker saves, or saved since this one's last
+                # step: it is what this one waits for.
+                frame.last = time.monotonic() - since
+                frame.warned = False
+                return
+        if idle >= frame.seconds:
+            self._fire(frame, idle, peers)
+        elif not frame.warned:
+            stale = [p for p, s in peers.items() if not _fresh(s, idle)]
+            if stale and idle < warn_after + _SETTLE_SECONDS:
+                return  # They publish at their own warning; wait a little.
+            frame.warned = True
+            _print(
+                f"{HEADER} task {frame.task}: no progress for {idle:.0f} s "
+                f"in {frame.position()}; the slowest step so far took "
+                f"{frame.slowest:.3g} s.{_steps_text(frame, peers, idle)} "
+                f"Without progress this process ends in "
+                f"{frame.seconds - idle:.0f} s ({env.HANG_SECONDS}="
+                f"{frame.seconds:g}) and prints every thread's stack."
+            )
+
+    def _fire(self, frame: _Frame, idle: float, peers) -> None:
+        frame.fired = time.monotonic()
+        in_session = interactive()
+        _print(
+            f"{HEADER} task {frame.task} step {frame.steps + 1}: no "
+            f"progress for {idle:.0f} s in {frame.position(step=False)} "
+            f"({env.HANG_SECONDS}={frame.seconds:g}); this process is "
+            f"stuck.{_steps_text(frame, peers, idle)} Every thread's "
+            "Python stack follows (the loop's thread is where it waits)."
+        )
+        _dump_stacks()
+        if in_session:
+            _print(
+                f"{HEADER} task {frame.task}: interrupting the {frame.kind} "
+                "loop, which raises a RuntimeError; this session goes on."
+            )
+            _interrupt(frame.thread)
+            return
+        _print(
+            f"{HEADER} task {frame.task}: exiting with code {EXIT_CODE}, so "
+            "that a restart policy (keras-replicator launch "
+            "--max-restarts, Kubernetes, Slurm) starts the run again; it "
+            "resumes from its BackupAndRestore backup."
+        )
+        os._exit(EXIT_CODE)
+
+    def _note_stuck(self, frame: _Frame) -> None:
+        if frame.noted:
+            return
+        if time.monotonic() - frame.fired < _INTERRUPT_NOTE_SECONDS:
+            return
+        frame.noted = True
+        _print(
+            f"{HEADER} task {frame.task}: the {frame.kind} loop is still "
+            "stuck inside TensorFlow, where the interrupt cannot reach it; "
+            "restart the kernel."
+        )
+
+
+_watchdog = _Watchdog()
+
+
+def warn_seconds(seconds: float, slowest: float) -> float:
+    """When the stall warning comes, for a timeout and the slowest step."""
+    return min(
+        seconds / 2,
+        max(_WARN_FLOOR_SECONDS, _WARN_SLOWEST_FACTOR * slowest),
+    )
+
+
+def _fresh(state: dict | None, idle: float) -> bool:
+    """Whether `state` was published since this worker's stall began."""
+    return bool(state) and state.get("time", 0) >= time.time() - idle
+
+
+def _peer_progress(peers, idle: float) -> float | None:
+    """Seconds since another worker last was in a save, if within `idle`."""
+    now = time.time()
+    since = None
+    for state in peers.values():
+        if not state:
+            continue
+        if state.get("paused"):
+            return 0.0
+        ago = now - state.get("resumed", 0)
+        if ago < idle and (since is None or ago < since):
+            since = ago
+    return since
+
+
+def _steps_text(frame: _Frame, peers, idle: float) -> str:
+    if not peers:
+        return ""
+    steps = {frame.task: frame.steps + 1}
+    missing = []
+    for task, state in peers.items():
+        if _fresh(state, idle):
+            steps[task] = int(state["step"])
+        else:
+            missing.append(task)
+    lowest = min(steps.values())
+    behind = max(steps.values()) > lowest
+    parts = [
+        f"{task} {step}" + (" (behind)" if behind and step == lowest else "")
+        for task, step in sorted(steps.items())
+    ]
+    text = " Steps the workers are at: " + ", ".join(parts) + "."
+    if behind:
+        late = ", ".join(t for t, s in sorted(steps.items()) if s == lowest)
+        text += f" Workers that have not finished step {lowest}: {late}."
+    if missing:
+        text += f" No report from: {', '.join(missing)}."
+    return text
+
+
+def _print(line: str) -> None:
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+
+
+def _dump_stacks() -> None:
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = 2  # A replaced sys.stderr (e.g. captured): the real one.
+    faulthandler.dump_traceback(file=fd, all_threads=True)
+
+
+def _interrupt(thread_id: int) -> None:
+    """Raises KeyboardInterrupt in the loop's thread."""
+    if thread_id == threading.main_thread().ident:
+        # A real signal: it also ends a sleep or a lock wait in progress.
+        signal.pthread_kill(thread_id, signal.SIGINT)
+        return
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(KeyboardInterrupt)
+    )
+
+
+def _converted(frame: _Frame, error: BaseException | None) -> None:
+    """Turns the interrupt of a fired frame into the loop's error."""
+    if frame.fired is None or not isinstance(error, KeyboardInterrupt):
+        return
+    raise RuntimeError(
+        f"The hang watchdog stopped this {frame.kind}: no progress for "
+        f"{frame.seconds:g} s at step {frame.steps + 1} "
+        f"({env.HANG_SECONDS}={frame.seconds:g}). Every thread's stack is "
+        "printed above; the interrupted thread's traceback is the cause "
+        "below. Fix the hang, or raise the timeout if steps legitimately "
+        f"take this long. Received: hang_seconds={frame.seconds:g}"
+    ) from error
+
+
+class watching:  # noqa: N801 - used as a function, like contextlib's
+    """Watches one Keras loop (`fit`, `evaluate`, `predict`) for a hang.
+
+    Args:
+        strategy: The model's replicator.
+        kind: `"fit"`, `"evaluate"` or `"predict"`.
+        where: Returns a short position (e.g. `"epoch 3"`) for messages.
+    """
+
+    def __init__(
+        self,
+        strategy: Any,
+        kind: str,
+        where: Callable[[], str | None] | None = None,
+    ):
+        self._frame = _Frame(
+            kind,
+            resolve_seconds(getattr(strategy, "hang_seconds", None)),
+            _task_of(strategy),
+            _Cluster.of(strategy),
+            where,
+        )
+
+    def __enter__(self):
+        self._frame.last = time.monotonic()
+        _watchdog.push(self._frame)
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        del kind, traceback
+        _watchdog.pop(self._frame)
+        _converted(self._frame, error)
+        return False
+
+
+class StepWatch:
+    """Watches the calls of one `replicate` step: `with watch: step()`.
+
+    Only the calls are timed; the first one traces and is not.
+
+    Args:
+        strategy: The replicator the step runs on.
+    """
+
+    def __init__(self, strategy: Any):
+        seconds = None
+        if traits.is_in_graph(strategy):
+            seconds = resolve_seconds(getattr(strategy, "hang_seconds", None))
+        self._frame = _Frame(
+            "replicate", seconds, _task_of(strategy), _Cluster.of(strategy)
+        )
+
+    def __enter__(self):
+        frame = self._frame
+        frame.last = time.monotonic()
+        frame.thread = threading.get_ident()
+        frame.warned = False
+        frame.fired = None
+        _watchdog.push(frame)
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        del kind, traceback
+        frame = self._frame
+        _watchdog.pop(frame)
+        if error is None:
+            took = time.monotonic() - frame.last
+            if frame.armed and took > frame.slowest:
+                frame.slowest = took
+            frame.steps += 1
+            frame.armed = True
+        _converted(frame, error)
+        return False
+
+
+def beat() -> None:
+    """Notes that the innermost watched loop finished a step."""
+    frames = _watchdog.frames
+    if not frames:
+        return
+    frame = frames[-1]
+    now = time.monotonic()
+    if frame.armed and now - frame.last > frame.slowest:
+        frame.slowest = now - frame.last
+    frame.steps += 1
+    frame.last = now
+    frame.armed = True
+    frame.warned = False
+
+
+class paused:  # noqa: N801 - used as a function, like contextlib's
+    """Stops the clock for a save; other workers learn of it."""
+
+    def __enter__(self):
+        _watchdog.paused += 1
+        _watchdog.dirty = True
+        _watchdog.wake.set()
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        del kind, error, traceback
+        _watchdog.paused -= 1
+        _watchdog.resumed_wall = time.time()
+        frames = _watchdog.frames
+        if frames:
+            frames[-1].last = time.monotonic()
+            frames[-1].warned = False
+        _watchdog.dirty = True
+        _watchdog.wake.set()
+        return False
