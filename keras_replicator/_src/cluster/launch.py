@@ -8,7 +8,11 @@ launcher ends the others and exits with the failed worker's code, or, with
 of them. A preemption signal (SIGTERM, and the others named by
 `KERAS_REPLICATOR_PREEMPTION_SIGNALS`) is forwarded to every worker, which
 save at the same step and exit with `preemption.EXIT_CODE`; the launcher
-then exits with that code too.
+then exits with that code too. A worker ended by the hang watchdog
+(`hang_watchdog.EXIT_CODE`, 76) fails the group like any other failure,
+so `max_restarts` restarts it; the others first get a few seconds to print
+their own stacks. Workers die with the launcher, however it dies
+(`reaper.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import reaper as reaper_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
+from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import preemption
 
 LOOPBACK = "127.0.0.1"
@@ -47,6 +53,9 @@ _PORT_ATTEMPTS = 3
 # Seconds the workers get, after a preemption signal, to reach a step,
 # save and exit, before they are killed.
 PREEMPT_GRACE_SECONDS = 30.0
+# Seconds the other workers get, after one was ended by the hang watchdog,
+# to reach their own timeout and print their stacks, before they are ended.
+HANG_GRACE_SECONDS = 10.0
 
 
 def free_ports(count: int) -> list[int]:
@@ -121,14 +130,16 @@ def launch(
         out: Where prefixed output goes. Defaults to `sys.stdout`.
         max_restarts: How many times to start every worker again, on new
             ports, after one exited non-zero or was killed (a `[launch]`
-            line says so each time). Scripts resume from their
-            `BackupAndRestore` backup. A preempted group is not restarted.
-            Defaults to 0.
+            line says so each time), the hang watchdog's exit (76)
+            included. Scripts resume from their `BackupAndRestore` backup.
+            A preempted group is not restarted. Defaults to 0.
 
     A preemption signal to the launcher (SIGTERM, and those named by
     `KERAS_REPLICATOR_PREEMPTION_SIGNALS`, default `SIGTERM,SIGUSR1`) is
     forwarded to every worker; they get 30 seconds to stop at the same
-    step, save and exit, then are killed.
+    step, save and exit, then are killed. If the launcher itself is killed
+    (SIGKILL included), a watcher process kills every worker's process
+    group at once.
 
     Ports are picked free on 127.0.0.1, but another process may take one
     before a worker binds it. When a run fails and a worker reported that
@@ -159,11 +170,14 @@ def launch(
     out = out or sys.stdout
     lock = threading.Lock()
     received: list[int] = []
-    with _forwarding(preemption.signals_from_env(), received):
+    with (
+        reaper_lib.Reaper() as reaper,
+        _forwarding(preemption.signals_from_env(), received),
+    ):
         clashes = restarts = 0
         while True:
             code, clash, preempted = _launch_once(
-                command, workers, replicas_per_worker, ps, out, received
+                command, workers, replicas_per_worker, ps, out, received, reaper
             )
             if code in (0, 130) or preempted or received:
                 return code
@@ -220,7 +234,9 @@ def _forwarding(signals, received: list[int]):
             signal.signal(sig, handler)
 
 
-def _launch_once(command, workers, replicas_per_worker, ps, out, received):
+def _launch_once(
+    command, workers, replicas_per_worker, ps, out, received, reaper
+):
     """One launch: its exit code, whether a port clashed, and was preempted."""
     ports = free_ports(workers)
     # With parameter servers, `command` runs on the chief only; workers and
@@ -255,6 +271,7 @@ def _launch_once(command, workers, replicas_per_worker, ps, out, received):
                 start_new_session=True,
             )
             procs.append(proc)
+            reaper.watch(proc.pid)
             pump = threading.Thread(
                 target=_pump,
                 args=(proc.stdout, f"[{name}] ", out, lock, clash),
@@ -272,6 +289,8 @@ def _launch_once(command, workers, replicas_per_worker, ps, out, received):
         code = 130
     finally:
         _end_all(procs)
+        for proc in procs:
+            reaper.forget(proc.pid)
         for pump in pumps:
             pump.join(timeout=_GRACE_SECONDS)
     return code, clash, preempted
@@ -354,6 +373,17 @@ def _wait_all(procs, out, lock, received, everyone) -> tuple[int, bool]:
                     f"{code}); waiting for the others to save and exit",
                 )
                 return _wait_preempted(procs, out, lock), True
+            elif code == hang_watchdog.EXIT_CODE:
+                _print(
+                    out,
+                    lock,
+                    f"[launch] worker {index} was ended by the hang watchdog "
+                    f"(exit code {code}; its stacks are above); the others "
+                    f"get {HANG_GRACE_SECONDS:.0f} s to print theirs, then "
+                    "are ended",
+                )
+                _wait_for_exits(procs, HANG_GRACE_SECONDS)
+                return code, False
             elif code != 0:
                 _print(
                     out,
@@ -367,11 +397,16 @@ def _wait_all(procs, out, lock, received, everyone) -> tuple[int, bool]:
         time.sleep(0.1)
 
 
-def _wait_preempted(procs, out, lock) -> int:
-    """Gives preempted workers the grace period; their common exit code."""
-    deadline = time.monotonic() + PREEMPT_GRACE_SECONDS
+def _wait_for_exits(procs, seconds: float) -> None:
+    """Waits up to `seconds` for every process in `procs` to exit."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.1)
+
+
+def _wait_preempted(procs, out, lock) -> int:
+    """Gives preempted workers the grace period; their common exit code."""
+    _wait_for_exits(procs, PREEMPT_GRACE_SECONDS)
     codes = []
     for index, proc in enumerate(procs):
         if proc.poll() is None:

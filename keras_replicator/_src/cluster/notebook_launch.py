@@ -31,8 +31,10 @@ from typing import Any
 import cloudpickle
 
 from keras_replicator._src.cluster import launch as launch_lib
+from keras_replicator._src.cluster import reaper as reaper_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
+from keras_replicator._src.training import hang_watchdog
 
 WORKER_COMMAND = (
     sys.executable,
@@ -77,8 +79,12 @@ def launch(
     others are ended and its exception is raised here, with the worker's
     traceback as its cause. Interrupting the caller (Ctrl-C, or the
     notebook's interrupt button) ends every worker; so does the caller's
-    death. Create the replicator first in `fn`, before other TensorFlow
-    code (see `MultiWorkerReplicator`).
+    death, however it dies (a watcher process kills every worker's process
+    group when the caller is gone, SIGKILL included). A worker stuck for
+    the hang watchdog's timeout prints its stacks and exits with code 76,
+    and `launch` raises a `RuntimeError` saying so. Create the replicator
+    first in `fn`, before other TensorFlow code (see
+    `MultiWorkerReplicator`).
 
     With `ps > 0` the cluster is asynchronous (`kr.AsyncReplicator`): `fn`
     runs once, on the "chief" task (the coordinator), while the `workers`
@@ -142,12 +148,17 @@ def launch(
             "`kr.launch` sends `fn` and its arguments to the workers with "
             f"cloudpickle, which failed: {error}. Received: fn={fn!r}"
         ) from error
-    with tempfile.TemporaryDirectory(prefix="kr_launch_") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="kr_launch_") as tmp,
+        reaper_lib.Reaper() as reaper,
+    ):
         payload_path = os.path.join(tmp, "payload.pkl")
         with open(payload_path, "wb") as f:
             f.write(payload)
         for attempt in range(1, launch_lib._PORT_ATTEMPTS + 1):  # noqa: SLF001
-            run = _Run(tmp, payload_path, workers, replicas_per_worker, ps)
+            run = _Run(
+                tmp, payload_path, workers, replicas_per_worker, ps, reaper
+            )
             try:
                 return run.wait()
             except _PortClash:
@@ -170,8 +181,11 @@ class _PortClash(Exception):
 class _Run:
     """One start of every process, and the watch over them."""
 
-    def __init__(self, tmp, payload_path, workers, replicas_per_worker, ps):
+    def __init__(
+        self, tmp, payload_path, workers, replicas_per_worker, ps, reaper
+    ):
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reaper = reaper
         self._clash = threading.Event()
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
@@ -210,6 +224,7 @@ class _Run:
                     start_new_session=True,
                 )
                 self.procs.append(proc)
+                reaper.watch(proc.pid)
                 pump = threading.Thread(
                     target=self._pump,
                     args=(proc.stdout, f"[{name}] "),
@@ -281,11 +296,18 @@ class _Run:
         """The exception that reports the failed task."""
         name, record = self._failed
         if not isinstance(record, tuple):
+            code = launch_lib._exit_code(record)  # noqa: SLF001
+            why = ""
+            if code == hang_watchdog.EXIT_CODE:
+                why = (
+                    " The hang watchdog ended it: no step finished for its "
+                    "timeout (KERAS_REPLICATOR_HANG_SECONDS); its stacks "
+                    "are above."
+                )
             return RuntimeError(
                 f"`kr.launch`: {name} ended without returning a result "
-                f"(exit code {launch_lib._exit_code(record)}; its output is "  # noqa: SLF001
-                "above); the other workers were ended. Received: "
-                f"exit_code={launch_lib._exit_code(record)}"  # noqa: SLF001
+                f"(exit code {code}; its output is above); the other "
+                f"workers were ended.{why} Received: exit_code={code}"
             )
         _, blob, text = record
         cause = RemoteTraceback(f'\n{name} raised:\n"""\n{text}"""')
@@ -328,6 +350,7 @@ class _Run:
                 proc.wait()
             raise
         for proc in self.procs:
+            self._reaper.forget(proc.pid)
             if proc.stdin:
                 proc.stdin.close()
         for pump in self._pumps:

@@ -1,0 +1,122 @@
+"""Workers die with their launcher, however the launcher dies.
+
+`keras-replicator launch` and `kr.launch` start every worker in its own
+process group, so that a Ctrl-C reaches the launcher only and ending a
+worker ends what it started. A launcher killed with SIGKILL (or crashing)
+runs no code to end them, and they would train on as orphans. So every
+launch first starts this small watcher: a child process, in a session of
+its own, that reads a pipe from the launcher. The launcher names on it the
+process groups it starts (`+pid`) and those it has ended (`-pid`), and
+says `exit` before it closes the pipe. When the pipe reaches end-of-file
+without `exit`, the launcher is gone, whatever killed it: the watcher
+kills every group still named with SIGKILL, at once, and exits.
+
+The watcher is this file run as a script (`python -I -S`): stdlib only, no
+TensorFlow import, about 20 ms to start. It covers the worker's whole
+process group (a shell wrapper and its children too), unlike Linux's
+`PR_SET_PDEATHSIG`, which only reaches the direct child.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+_EXIT = "exit"
+
+
+class Reaper:
+    """The launcher's end of the watcher: names the groups to kill.
+
+    Use it as a context manager; on a normal exit it says goodbye and the
+    watcher kills nothing. Writes never raise: a watcher that is gone
+    cannot help, and the launch goes on without it.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc = subprocess.Popen(
+            # -I: keep the caller's folder (and a `types.py` there) off
+            # sys.path; -S: no site-packages, only the stdlib is needed.
+            [sys.executable, "-I", "-S", os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            # Its own session: signals to the launcher's process group
+            # (Ctrl-C, `kill -- -pgid`) do not reach it.
+            start_new_session=True,
+        )
+
+    def watch(self, pid: int) -> None:
+        """Kill process group `pid` if the launcher dies."""
+        self._send(f"+{pid}")
+
+    def forget(self, pid: int) -> None:
+        """Process group `pid` is ended (or ending) by the launcher itself."""
+        self._send(f"-{pid}")
+
+    def close(self) -> None:
+        """Ends the watcher without killing anything."""
+        self._send(_EXIT)
+        with self._lock:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> Reaper:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            try:
+                self._proc.stdin.write(line.encode() + b"\n")
+                self._proc.stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _watch() -> None:
+    """The watcher: reads the pipe; kills the named groups on its EOF."""
+    groups: set[int] = set()
+    buffer = b""
+    while True:
+        try:
+            chunk = os.read(0, 4096)
+        except InterruptedError:
+            continue
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace").strip()
+            if line == _EXIT:
+                return
+            if line[:1] == "+" and line[1:].isdigit():
+                groups.add(int(line[1:]))
+            elif line[:1] == "-" and line[1:].isdigit():
+                groups.discard(int(line[1:]))
+    for group in sorted(groups):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    # Not ended by a Ctrl-C meant for the launcher, even in its terminal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch()
