@@ -134,9 +134,9 @@ def _custom_loop(args, strategy, dataset, model, optimizer, loss_fn):
     def train_step(it):
         def step(x, y):
             with tf.GradientTape() as tape:
-                # Stock strategies: the Loss object divides by the replica
-                # count and the optimizer sums; our replicators: one
-                # replica's mean, and the optimizer averages. Same gradients.
+                # tf.distribute's convention, under stock strategies and
+                # ours alike in `strategy.run`: the Loss object divides by
+                # the replica count and the optimizer sums the shares.
                 loss = loss_fn(y, model(x, training=True))
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(
