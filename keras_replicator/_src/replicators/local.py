@@ -45,11 +45,9 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         devices: Device names such as `["/gpu:0", "/gpu:1"]` or
             `["/cpu:0", "/cpu:1"]`, one per replica. Defaults to the first
             `num_replicas` GPUs or logical CPUs.
-        gradient_reduction: How optimizers combine the replicas'
-            gradients: `"auto"` (follow the API: average in Keras' `fit`
-            and `replicate`, sum as tf.distribute does in your own
-            `strategy.run`), `"mean"` or `"sum"` in every update. See the
-            `gradient_reduction` property. Defaults to `"auto"`.
+        gradient_reduction: `"auto"`, `"mean"` or `"sum"`: how
+            optimizers combine the replicas' gradients (the property of
+            that name). Defaults to `"auto"`.
         hang_seconds: The hang watchdog's timeout: after this many seconds
             without a finished step in `fit`, `evaluate`, `predict` or a
             `replicate` call, the process prints every thread's stack and
@@ -57,6 +55,12 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
             `RuntimeError`). The first step of a loop and checkpoint saves
             are not timed. 0 turns it off. Defaults to None:
             `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
+        shard_optimizer_state: If True, each replica keeps 1/N of every
+            per-weight optimizer variable (ZeRO stage 1) instead of a full
+            copy; checkpoints still hold the full state. Supports `SGD`,
+            `Adam`, `AdamW` and `RMSprop` in Keras steps (`fit`,
+            `train_on_batch`, a custom `train_step`); see
+            `docs/speed.md`. Defaults to False.
 
     Raises:
         ValueError: If `num_replicas` is not a positive integer, disagrees
@@ -76,9 +80,16 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         devices: Sequence[str] | None = None,
         gradient_reduction: str = "auto",
         hang_seconds: float | None = None,
+        shard_optimizer_state: bool = False,
     ):
         self._set_gradient_reduction(gradient_reduction)
         self._set_hang_seconds(hang_seconds)
+        if not isinstance(shard_optimizer_state, bool):
+            raise TypeError(
+                "`shard_optimizer_state` must be True or False. Received: "
+                f"shard_optimizer_state={shard_optimizer_state!r}"
+            )
+        self._shard_optimizer_state = shard_optimizer_state
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
@@ -86,6 +97,14 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         # collectives inside tf.cond (nested_collectives), ...
         self._install_patches()
         super().__init__(devices=device_names)
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Whether optimizers keep 1/N of their per-weight state per replica.
+
+        See `patches/shard_state.py`.
+        """
+        return self._shard_optimizer_state
 
 
 def _resolve_devices(

@@ -62,11 +62,9 @@ class MultiWorkerReplicator(
             that legitimately waits longer (say, the chief saving a large
             checkpoint) fails. Use it to debug hangs; the hang watchdog
             (`hang_seconds`) catches them at no cost per step.
-        gradient_reduction: How optimizers combine the replicas'
-            gradients: `"auto"` (follow the API: average in Keras' `fit`
-            and `replicate`, sum as tf.distribute does in your own
-            `strategy.run`), `"mean"` or `"sum"` in every update. See the
-            `gradient_reduction` property. Defaults to `"auto"`.
+        gradient_reduction: `"auto"`, `"mean"` or `"sum"`: how
+            optimizers combine the replicas' gradients (the property of
+            that name). Defaults to `"auto"`.
         hang_seconds: The hang watchdog's timeout: after this many seconds
             without a finished step in `fit`, `evaluate`, `predict` or a
             `replicate` call, the worker prints every thread's stack and
