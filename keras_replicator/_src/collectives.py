@@ -56,6 +56,44 @@ def all_reduce(
     return out
 
 
+def all_gather_flat(
+    ctx: tf.distribute.ReplicaContext, shards: Sequence[tf.Tensor]
+) -> list[tf.Tensor]:
+    """All-gathers flat shards in a replica context, one collective per dtype.
+
+    Replica `r` passes its shard of each value; every replica gets each
+    value's shards concatenated in replica order. The shards of one dtype
+    travel as one vector (`ReplicaContext.all_gather`).
+
+    Args:
+        ctx: The replica context (inside `strategy.run`).
+        shards: Rank-1 tensors with static lengths, the same on every
+            replica.
+
+    Returns:
+        For each shard, a rank-1 tensor of `num_replicas_in_sync` times
+        its length, in the order of `shards`.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(shards):
+        groups.setdefault(s.dtype.name, []).append(i)
+    n = ctx.num_replicas_in_sync
+    out: list = [None] * len(shards)
+    for dtype in sorted(groups):
+        indices = groups[dtype]
+        lengths = [shards[i].shape[0] for i in indices]
+        packed = tf.concat([shards[i] for i in indices], axis=0)
+        gathered = ctx.all_gather(packed, axis=0)
+        # Row r is replica r's pack; the columns of one value, read row by
+        # row, are that value's shards in replica order.
+        rows = tf.reshape(gathered, [n, sum(lengths)])
+        for i, column in zip(
+            indices, tf.split(rows, lengths, axis=1), strict=True
+        ):
+            out[i] = tf.reshape(column, [-1])
+    return out
+
+
 def reduce_scalars(
     reduce_fn: Callable[..., tf.Tensor],
     reduce_op,

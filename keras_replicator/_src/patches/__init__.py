@@ -16,6 +16,7 @@ from keras_replicator._src.patches import per_replica_jit
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
 from keras_replicator._src.patches import replica_mean
+from keras_replicator._src.patches import shard_state
 from keras_replicator._src.patches import trainer_loops
 
 __all__ = (
@@ -31,6 +32,7 @@ __all__ = (
     "preemption",
     "registry",
     "replica_mean",
+    "shard_state",
     "trainer_loops",
 )
 

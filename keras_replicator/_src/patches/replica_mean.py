@@ -97,6 +97,7 @@ from keras_replicator._src import collectives
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
+from keras_replicator._src.patches import shard_state
 
 KINDS = frozenset({"local", "multi_worker"})
 _ONE_DEVICE_APIS = (replica_step.KERAS, replica_step.REPLICATOR)
@@ -421,19 +422,25 @@ def _apply(original, self, grads, trainable_variables=None):
         or not is_ours(ctx.strategy)
         or ctx.num_replicas_in_sync == 1
     ):
+        shard_state.check_stock_apply(self)
         return original(self, grads, trainable_variables)
     with _lock:
         fed = id(self) in _fed
     if fed:
+        shard_state.check_stock_apply(self)
         with _replica_local_updates(self):
             return original(self, grads, trainable_variables)
     step = replica_step.current()
     if not one_device_convention(step, ctx.strategy):
         # tf.distribute's convention: stock Keras, which sums (rule 2).
         _tell_summed(self, step, ctx)
+        shard_state.check_stock_apply(self)
         return original(self, grads, trainable_variables)
     grads = mean_gradients(list(grads), ctx)
     with receiving_reduced(self), _replica_local_updates(self):
+        if shard_state.is_sharded(self):
+            # Opt-in ZeRO-1: update this replica's slice, gather weights.
+            return shard_state.apply(original, self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
 
 

@@ -1,0 +1,359 @@
+"""Optimizer state sharded over the replicas (ZeRO stage 1), opt-in.
+
+Under `LocalReplicator(shard_optimizer_state=True)` each replica keeps 1/N
+of every per-weight optimizer variable (Adam's two slots, SGD's momentum,
+RMSprop's average, gradient accumulators) instead of a full copy: for a
+model variable of `size` elements, a flat shard of `ceil(size / N)`
+elements (the last one zero-padded). Such a variable is a `SyncOnRead`
+variable whose replica components differ: component `r` holds elements
+`[r * k, (r + 1) * k)` of the flattened variable.
+
+Per update (`replica_mean` calls `apply` here, in replica context, with the
+gradients already averaged once as in every Keras step):
+
+1. `clipnorm` / `global_clipnorm` clip the FULL averaged gradients, so the
+   norms are the global ones; a shard's norm is then below the threshold
+   and Keras' own clipping of the shard leaves it unchanged.
+2. Each replica takes its slice of every gradient and of every weight (the
+   weight slice goes into a "shadow" variable of the shard's shape) and
+   runs the optimizer's own, unchanged `apply` on the slices: Keras'
+   `update_step`, weight decay, learning-rate schedules and gradient
+   accumulation all act element by element, so a slice is updated exactly
+   as the same elements are on one device.
+3. One all-gather per dtype (`collectives.all_gather_flat`) assembles the
+   updated weights; each replica assigns its own copy (no `merge_call`).
+
+The reduce-scatter of the gradients is EMULATED: the gradients are
+all-reduced in full (as without sharding) and each replica slices its
+part. Memory is saved on the optimizer state, not on the gradients; the
+wire carries one all-reduce plus one all-gather of the weights per step.
+
+Checkpoints hold the full, unsharded state: `save_own_variables` (used by
+`model.save_weights`, `model.save`, `ModelCheckpoint` and
+`BackupAndRestore`) concatenates the replicas' shards, and
+`load_own_variables` splits full arrays into this replicator's shards, so
+a checkpoint restores on any replica count, sharded or not.
+
+Refused, with a `ValueError` when the optimizer is built: optimizers whose
+update is not element by element or that are not tested here (anything
+but the classes in `SUPPORTED`; e.g. `Adafactor`'s factored state, `Lamb`'s
+per-variable trust ratio), `use_ema`, `loss_scale_factor`,
+`LossScaleOptimizer`, and `MultiWorkerReplicator` (the replicator does not
+take the argument yet).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from keras.src import backend
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from keras.src.optimizers import adam
+from keras.src.optimizers import adamw
+from keras.src.optimizers import base_optimizer
+from keras.src.optimizers import rmsprop
+from keras.src.optimizers import sgd
+
+from keras_replicator._src import collectives
+from keras_replicator._src.patches import registry
+
+KINDS = frozenset({"local"})
+
+# Exact classes whose `update_step` is element by element and that the
+# tests compare with one device. A subclass may override `update_step`, so
+# it is refused too.
+SUPPORTED = (sgd.SGD, adam.Adam, adamw.AdamW, rmsprop.RMSprop)
+
+# optimizer -> its `_Shards`. Kept outside the optimizer so that Keras'
+# attribute tracking does not add the shadows to `optimizer.variables`
+# (which checkpoints save).
+_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Shards:
+    """What a sharded optimizer knows about its shards."""
+
+    def __init__(self, num_replicas):
+        self.num_replicas = num_replicas
+        # id(optimizer variable) -> (full shape, size) for sharded slots.
+        self.slots = {}
+        # Model variable key -> its shadow (a weight shard).
+        self.shadows = {}
+
+
+def enabled(strategy) -> bool:
+    """Whether `strategy` asks for sharded state over several replicas."""
+    return (
+        bool(getattr(strategy, "shard_optimizer_state", False))
+        and strategy.num_replicas_in_sync > 1
+    )
+
+
+def is_sharded(optimizer) -> bool:
+    """Whether `optimizer` was built with sharded state."""
+    return optimizer in _SHARDS
+
+
+def check_stock_apply(optimizer) -> None:
+    """Refuses an update outside a one-device-convention replica step.
+
+    A sharded optimizer's slots are shards; the stock update (in the
+    user's own `strategy.run`, under `wrap_optimizer`, in cross-replica
+    context) would pair them with full weights.
+
+    Raises:
+        ValueError: If `optimizer` is sharded.
+    """
+    if is_sharded(optimizer):
+        raise ValueError(
+            "An optimizer with sharded state (`shard_optimizer_state=True`) "
+            "updates only in Keras steps (`fit`, `train_on_batch`, a custom "
+            "`train_step`) and `replicate` steps; not in your own "
+            "`strategy.run`, under `wrap_optimizer`, or outside a replica "
+            "step. Pass `shard_optimizer_state=False` for those. Received: "
+            f"optimizer={type(optimizer).__name__}"
+        )
+
+
+def _on_read(next_creator, **kwargs):
+    # Per-replica components that may differ: each holds its own slice.
+    kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+    kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    return next_creator(**kwargs)
+
+
+def _shard_length(size, num_replicas):
+    return max(1, math.ceil(size / num_replicas))
+
+
+def _check_supported(optimizer):
+    if type(optimizer) not in SUPPORTED:
+        names = tuple(c.__name__ for c in SUPPORTED)
+        raise ValueError(
+            "`shard_optimizer_state=True` supports the optimizers "
+            f"{names} (their update is element by element and tested); "
+            "others, such as `Adafactor` (factored state), `Lamb` "
+            "(per-variable trust ratio), `LossScaleOptimizer` or a "
+            "subclass, are not supported. Pass "
+            "`shard_optimizer_state=False` to use it. Received: "
+            f"optimizer={type(optimizer).__name__}"
+        )
+    for option in ("use_ema", "loss_scale_factor"):
+        value = getattr(optimizer, option, None)
+        if value:
+            raise ValueError(
+                f"`shard_optimizer_state=True` does not support `{option}` "
+                "yet. Pass `shard_optimizer_state=False` to use it. "
+                f"Received: {option}={value!r}"
+            )
+
+
+def _build(original, self, variables):
+    strategy = getattr(self, "_distribution_strategy", None)
+    if not enabled(strategy) or self in _SHARDS:
+        return original(self, variables)
+    _check_supported(self)
+    shards = _Shards(strategy.num_replicas_in_sync)
+    # Registered first: the subclass' `build` creates its slots (through
+    # `add_variable_from_reference`) after this base `build` returns.
+    _SHARDS[self] = shards
+    result = original(self, variables)
+    with tf.init_scope(), strategy.scope(), tf.variable_creator_scope(_on_read):
+        for variable in variables:
+            k = _shard_length(int(np.prod(variable.shape)), shards.num_replicas)
+            shadow = backend.Variable(
+                initializer="zeros",
+                shape=(k,),
+                dtype=variable.dtype,
+                trainable=False,
+                name=variable.name,
+            )
+            key = self._var_key(variable)
+            shards.shadows[key] = shadow
+            # The shadow shares its model variable's slots.
+            self._trainable_variables_indices[self._var_key(shadow)] = (
+                self._trainable_variables_indices[key]
+            )
+            if key in getattr(self, "_exclude_from_weight_decay", ()):
+                self._exclude_from_weight_decay.add(self._var_key(shadow))
+    return result
+
+
+def _add_variable_from_reference(
+    original, self, reference_variable, name=None, initializer="zeros"
+):
+    shards = _SHARDS.get(self)
+    if shards is None:
+        return original(
+            self, reference_variable, name=name, initializer=initializer
+        )
+    shape = tuple(reference_variable.shape)
+    size = int(np.prod(shape))
+    name = name or "var"
+    if hasattr(reference_variable, "path"):
+        name = f"{reference_variable.path.replace('/', '_')}_{name}"
+    with tf.init_scope(), tf.variable_creator_scope(_on_read):
+        variable = self.add_variable(
+            shape=(_shard_length(size, shards.num_replicas),),
+            initializer=initializer,
+            dtype=reference_variable.dtype,
+            name=name,
+        )
+    shards.slots[id(variable)] = (shape, size)
+    return variable
+
+
+def _shard(value, k, replica_id, num_replicas):
+    """This replica's flat slice of `value`, zero-padded to `k`."""
+    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
+    padding = k * num_replicas - flat.shape[0]
+    if padding:
+        flat = tf.pad(flat, [[0, padding]])
+    return tf.slice(flat, [replica_id * k], [k])
+
+
+def apply(original, optimizer, grads, trainable_variables):
+    """Updates `optimizer`'s shard and all-gathers the weights.
+
+    Call it in replica context, with gradients averaged over the replicas
+    and replica-local updates on (`replica_mean._apply`).
+
+    Args:
+        original: The stock `apply`.
+        optimizer: A sharded optimizer (`is_sharded`).
+        grads: The averaged gradients.
+        trainable_variables: The model variables, or None for those the
+            optimizer was built with.
+
+    Returns:
+        None.
+    """
+    shards = _SHARDS[optimizer]
+    ctx = tf.distribute.get_replica_context()
+    n = shards.num_replicas
+    replica_id = ctx.replica_id_in_sync_group
+    if trainable_variables is None:
+        trainable_variables = optimizer._trainable_variables
+    pairs = [
+        (g, v)
+        for g, v in zip(grads, trainable_variables, strict=True)
+        if g is not None
+    ]
+    if not pairs:
+        return original(optimizer, grads, trainable_variables)
+    grads = [tf.convert_to_tensor(g) for g, _ in pairs]
+    variables = [v for _, v in pairs]
+    if optimizer.clipnorm or optimizer.global_clipnorm:
+        # The norms of the full gradients; the shards' own clipping in
+        # `original` is then a no-op.
+        grads = optimizer._clip_gradients(grads)
+    shadows, grad_slices = [], []
+    for g, v in zip(grads, variables, strict=True):
+        shadow = shards.shadows[optimizer._var_key(v)]
+        k = shadow.shape[0]
+        # Re-sliced every step: the shadow equals the weights even when
+        # other code assigned them since.
+        shadow.assign(_shard(v.value, k, replica_id, n))
+        shadows.append(shadow)
+        grad_slices.append(_shard(g, k, replica_id, n))
+    original(optimizer, grad_slices, shadows)
+    gathered = collectives.all_gather_flat(
+        ctx, [tf.convert_to_tensor(s.value) for s in shadows]
+    )
+    for v, full in zip(variables, gathered, strict=True):
+        size = int(np.prod(v.shape))
+        v.assign(tf.reshape(full[:size], v.shape))
+        if v.constraint is not None:
+            v.assign(v.constraint(v))
+    return None
+
+
+def _components(variable):
+    """The per-replica tf.Variables of a sharded Keras variable."""
+    return list(variable.value.values)
+
+
+def _save_own_variables(original, self, store):
+    shards = _SHARDS.get(self)
+    if shards is None:
+        return original(self, store)
+    for i, variable in enumerate(self.variables):
+        if id(variable) in shards.slots:
+            shape, size = shards.slots[id(variable)]
+            flat = np.concatenate([c.numpy() for c in _components(variable)])
+            store[str(i)] = flat[:size].reshape(shape)
+        else:
+            store[str(i)] = variable.numpy()
+    return None
+
+
+def _load_own_variables(original, self, store):
+    shards = _SHARDS.get(self)
+    if shards is None or len(store.keys()) != len(self.variables):
+        # Stock Keras warns and skips on a count mismatch.
+        return original(self, store)
+    for i, variable in enumerate(self.variables):
+        value = np.asarray(store[str(i)])
+        if id(variable) not in shards.slots:
+            variable.assign(value)
+            continue
+        shape, size = shards.slots[id(variable)]
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(
+                f"Optimizer variable {variable.path!r} has shape {shape}; "
+                "the checkpoint holds another. Received: "
+                f"shape={tuple(value.shape)}"
+            )
+        components = _components(variable)
+        k = components[0].shape[0]
+        flat = np.zeros(k * len(components), value.dtype)
+        flat[:size] = value.reshape(-1)
+        for r, component in enumerate(components):
+            component.assign(flat[r * k : (r + 1) * k])
+    return None
+
+
+PATCH = registry.register(
+    registry.Patch(
+        name="shard_state",
+        targets=(
+            registry.Target(base_optimizer.BaseOptimizer, "build", _build),
+            registry.Target(
+                tf_optimizer.TFOptimizer,
+                "add_variable_from_reference",
+                _add_variable_from_reference,
+            ),
+            registry.Target(
+                base_optimizer.BaseOptimizer,
+                "save_own_variables",
+                _save_own_variables,
+            ),
+            registry.Target(
+                base_optimizer.BaseOptimizer,
+                "load_own_variables",
+                _load_own_variables,
+            ),
+        ),
+        applies_to=KINDS,
+        pins=(
+            registry.Pin(
+                "keras.src.optimizers.base_optimizer",
+                (
+                    # The slots of a variable are found through its key.
+                    "def _get_variable_index(self, variable):",
+                    "if self._var_key(v) not in "
+                    "self._trainable_variables_indices:",
+                    "store[str(i)] = variable.numpy()",
+                    "variable.assign(store[str(i)])",
+                ),
+            ),
+        ),
+        delete_when=(
+            "never: a feature, not a fix (Keras has no sharded optimizer "
+            "state on TensorFlow)"
+        ),
+    )
+)

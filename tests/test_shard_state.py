@@ -1,0 +1,205 @@
+"""Sharded optimizer state (`shard_optimizer_state=True`) equals one device.
+
+Each case trains the same seeded model on one device and on a
+`LocalReplicator` whose replicas keep 1/N of the optimizer state, and
+compares the weights (1e-5). Checkpoints hold the full state and restore
+across replica counts, sharded or not.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_replicator as kr
+from tests import helpers
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda **kw: keras.optimizers.SGD(0.05, momentum=0.9, **kw),
+    "adam": lambda **kw: keras.optimizers.Adam(0.01, **kw),
+    "adamw": lambda **kw: keras.optimizers.AdamW(0.01, weight_decay=0.1, **kw),
+    "rmsprop": lambda **kw: keras.optimizers.RMSprop(0.01, **kw),
+}
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    return x, y
+
+
+def _model(strategy, optimizer_fn, opt=None, **compile_kwargs):
+    keras.utils.set_random_seed(1)
+    scope = strategy.scope() if strategy else tf.device("CPU:0")
+    with scope:
+        optimizer = optimizer_fn(**(opt or {}))
+        # 7 units: sizes 56, 7, 21 and 3 do not divide by 2 or 4, so the
+        # last shard is padded.
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(7, activation="relu"),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(optimizer, "mse", **compile_kwargs)
+    return model
+
+
+def _train(strategy, optimizer_fn, epochs=2, callbacks=(), **kwargs):
+    x, y = _data()
+    model = _model(strategy, optimizer_fn, **kwargs)
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    )
+    return model
+
+
+def _sharded(n):
+    return kr.LocalReplicator(n, shard_optimizer_state=True)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_sharded_equals_one_device(name, replicas):
+    reference = _train(None, OPTIMIZERS[name])
+    model = _train(_sharded(replicas), OPTIMIZERS[name])
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"opt": {"clipnorm": 0.05}},
+        {"opt": {"global_clipnorm": 0.05}},
+        {"opt": {"clipvalue": 0.01}},
+        {"opt": {"gradient_accumulation_steps": 2}},
+        {"steps_per_execution": 3},
+        {"jit_compile": True},
+    ],
+    ids=[
+        "clipnorm",
+        "global_clipnorm",
+        "clipvalue",
+        "gradient_accumulation",
+        "steps_per_execution",
+        "jit_compile",
+    ],
+)
+def test_sharded_options_equal_one_device(options):
+    reference = _train(None, OPTIMIZERS["adam"], **dict(options))
+    model = _train(_sharded(4), OPTIMIZERS["adam"], **dict(options))
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_sharded_state_is_one_nth_per_replica():
+    model = _train(_sharded(4), OPTIMIZERS["adam"], epochs=1)
+    kernel = model.optimizer.variables[2]  # Adam's first slot: 8 x 7.
+    components = kernel.value.values
+    assert [tuple(c.shape) for c in components] == [(14,)] * 4
+
+
+def test_default_is_unsharded():
+    assert not kr.LocalReplicator(2).shard_optimizer_state
+    model = _train(kr.LocalReplicator(2), OPTIMIZERS["adam"], epochs=1)
+    assert tuple(model.optimizer.variables[2].shape) == (8, 7)
+
+
+def test_checkpoint_holds_full_state(tmp_path):
+    reference = _train(None, OPTIMIZERS["adam"], epochs=1)
+    model = _train(_sharded(4), OPTIMIZERS["adam"], epochs=1)
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    restored = _model(None, OPTIMIZERS["adam"])
+    restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(path)
+    helpers.assert_weights_close(
+        [v.numpy() for v in restored.optimizer.variables],
+        [v.numpy() for v in reference.optimizer.variables],
+    )
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [((4, True), (2, False)), ((2, False), (4, True))],
+    ids=["sharded4_to_unsharded2", "unsharded2_to_sharded4"],
+)
+def test_backup_restores_across_replica_counts(tmp_path, first, second):
+    reference = _train(None, OPTIMIZERS["adam"], epochs=2)
+
+    def replicator(spec):
+        return kr.LocalReplicator(spec[0], shard_optimizer_state=spec[1])
+
+    backup = keras.callbacks.BackupAndRestore(
+        str(tmp_path), delete_checkpoint=False
+    )
+    _train(replicator(first), OPTIMIZERS["adam"], epochs=1, callbacks=[backup])
+    backup = keras.callbacks.BackupAndRestore(
+        str(tmp_path), delete_checkpoint=False
+    )
+    model = _train(
+        replicator(second), OPTIMIZERS["adam"], epochs=2, callbacks=[backup]
+    )
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+@pytest.mark.parametrize(
+    "optimizer_fn, received",
+    [
+        (lambda **kw: keras.optimizers.Adafactor(), "optimizer=Adafactor"),
+        (lambda **kw: keras.optimizers.Lamb(), "optimizer=Lamb"),
+        (
+            lambda **kw: keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD()
+            ),
+            "optimizer=LossScaleOptimizer",
+        ),
+        (lambda **kw: keras.optimizers.Adam(use_ema=True), "use_ema=True"),
+        (
+            lambda **kw: keras.optimizers.Adam(loss_scale_factor=2.0),
+            "loss_scale_factor=2.0",
+        ),
+    ],
+    ids=["adafactor", "lamb", "loss_scale", "ema", "loss_scale_factor"],
+)
+def test_refuses_unsupported(optimizer_fn, received):
+    with pytest.raises(ValueError, match=f"Received: {received}"):
+        _train(_sharded(2), optimizer_fn, epochs=1)
+
+
+def test_rejects_non_bool_flag():
+    with pytest.raises(TypeError, match="Received: shard_optimizer_state=1"):
+        kr.LocalReplicator(2, shard_optimizer_state=1)
+
+
+def test_one_replica_is_unsharded():
+    reference = _train(None, OPTIMIZERS["adam"])
+    model = _train(_sharded(1), OPTIMIZERS["adam"])
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+def test_refuses_own_strategy_run():
+    strategy = _sharded(2)
+    model = _model(strategy, OPTIMIZERS["adam"])
+    model.optimizer.build(model.trainable_variables)
+    x, _ = _data()
+
+    @tf.function
+    def step():
+        def replica_fn():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x[:8]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply(grads, model.trainable_variables)
+
+        strategy.run(replica_fn)
+
+    with pytest.raises(ValueError, match="Received: optimizer=Adam"):
+        step()
