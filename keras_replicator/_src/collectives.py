@@ -81,6 +81,11 @@ def all_gather_flat(
     out: list = [None] * len(shards)
     for dtype in sorted(groups):
         indices = groups[dtype]
+        if len(indices) == 1:
+            # Nothing to unpack: the gathered vector is the value's shards
+            # in replica order, with no copy.
+            out[indices[0]] = ctx.all_gather(shards[indices[0]], axis=0)
+            continue
         lengths = [shards[i].shape[0] for i in indices]
         packed = tf.concat([shards[i] for i in indices], axis=0)
         gathered = ctx.all_gather(packed, axis=0)

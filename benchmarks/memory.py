@@ -1,0 +1,185 @@
+"""Peak memory and step time with and without sharded optimizer state.
+
+Trains an MLP (Dense widths W, 2W, 2W, W on W inputs; W=1024 gives 8.4M
+parameters) with Adam, global batch 64, under `kr.LocalReplicator(N)` and
+`kr.LocalReplicator(N, shard_optimizer_state=True)` for N = 1, 2, 4, and on
+one device. Each configuration runs in its own process, so its peak RSS
+(`ru_maxrss`) is its own. Prints a table of peak RSS and median step time,
+checks that the sharded 4-replica weights equal one device's (1e-5), and
+then alternates sharded and unsharded 4-replica processes `--pairs` times
+and reports the median per-pair step-time ratio sharded/unsharded (goal
+>= 0.9).
+
+    python benchmarks/memory.py [--width 1024] [--steps 12] [--pairs 5]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import label  # noqa: E402
+from _common import summary  # noqa: E402
+
+GLOBAL_BATCH = 64
+
+
+def _worker(args):
+    """One configuration in this process; prints a JSON line."""
+    import resource
+    import time
+
+    import keras_replicator as kr
+
+    kr.configure_cpu_replicas(4)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    w = args.width
+    x = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
+    y = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
+    if args.replicas == 0:
+        scope = tf.device("CPU:0")
+    else:
+        scope = kr.LocalReplicator(
+            args.replicas, shard_optimizer_state=args.sharded
+        ).scope()
+    with scope:
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((w,)),
+                keras.layers.Dense(2 * w, activation="relu"),
+                keras.layers.Dense(2 * w, activation="relu"),
+                keras.layers.Dense(w),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
+
+    ends = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.perf_counter())
+
+    model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Clock()],
+    )
+    # The first step traces and compiles: not timed.
+    step_ms = statistics.median(
+        1000 * (b - a) for a, b in zip(ends[:-1], ends[1:], strict=True)
+    )
+    np.savez(args.out, *model.get_weights())
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_rss_mb": peak_mb, "step_ms": step_ms}))
+
+
+def _run(width, steps, replicas, sharded, out):
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        f"--width={width}",
+        f"--steps={steps}",
+        f"--replicas={replicas}",
+        f"--out={out}",
+    ] + (["--sharded"] if sharded else [])
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _max_difference(a_path, b_path):
+    import numpy as np
+
+    a, b = np.load(a_path), np.load(b_path)
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a.files)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--replicas", type=int, default=0)
+    parser.add_argument("--sharded", action="store_true")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    w = args.width
+    params = w * 2 * w + 4 * w * w + 2 * w * w + 5 * w
+    print(label())
+    print(
+        f"MLP {w}-{2 * w}-{2 * w}-{w} ({params / 1e6:.1f}M parameters), "
+        f"Adam, global batch {GLOBAL_BATCH}, {args.steps} steps, "
+        "one process per row"
+    )
+    tmp = tempfile.mkdtemp()
+
+    def out(name):
+        return os.path.join(tmp, f"{name}.npz")
+
+    reference = _run(w, args.steps, 0, False, out("one_device"))
+    print(
+        f"{'one device':<28} peak RSS {reference['peak_rss_mb']:7.0f} MB  "
+        f"step {reference['step_ms']:7.1f} ms"
+    )
+    rows = {}
+    for replicas in (1, 2, 4):
+        for sharded in (False, True):
+            name = f"local{replicas}_{'sharded' if sharded else 'full'}"
+            rows[name] = _run(w, args.steps, replicas, sharded, out(name))
+            title = f"LocalReplicator({replicas})" + (
+                " sharded" if sharded else ""
+            )
+            print(
+                f"{title:<28} peak RSS {rows[name]['peak_rss_mb']:7.0f} MB  "
+                f"step {rows[name]['step_ms']:7.1f} ms"
+            )
+    saved = (
+        rows["local4_full"]["peak_rss_mb"]
+        - rows["local4_sharded"]["peak_rss_mb"]
+    )
+    print(f"peak RSS saved at 4 replicas: {saved:.0f} MB (goal >= 120)")
+    difference = _max_difference(out("local4_sharded"), out("one_device"))
+    print(
+        "max |weight difference| sharded LocalReplicator(4) vs one device: "
+        f"{difference:.2e} (goal <= 1e-5)"
+    )
+    ratios = []
+    for i in range(args.pairs):
+        # Alternate which goes first, so drift favours neither. A ratio of
+        # step TIMES: sharded over unsharded; rates would be the inverse.
+        order = (True, False) if i % 2 else (False, True)
+        times = {
+            s: _run(w, args.steps, 4, s, out(f"pair{s}"))["step_ms"]
+            for s in order
+        }
+        ratios.append(times[False] / times[True])
+    print(
+        summary(
+            "speed ratio unsharded/sharded step time at 4 replicas "
+            "(= sharded rate / unsharded rate)",
+            ratios,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
