@@ -22,6 +22,16 @@ OPTIMIZERS = {
 }
 
 
+# name -> (optimizer, options): what the 2-worker test trains
+# (tests/multi_worker/test_shard_state.py).
+MULTI_WORKER_CASES = {
+    **{name: (name, {}) for name in OPTIMIZERS},
+    "adam_global_clipnorm": ("adam", {"opt": {"global_clipnorm": 0.05}}),
+    "adam_accumulation": ("adam", {"opt": {"gradient_accumulation_steps": 2}}),
+    "adam_steps_per_execution": ("adam", {"steps_per_execution": 3}),
+}
+
+
 def _data():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 8)).astype("float32")

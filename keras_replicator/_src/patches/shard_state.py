@@ -1,6 +1,7 @@
 """Optimizer state sharded over the replicas (ZeRO stage 1), opt-in.
 
-Under `LocalReplicator(shard_optimizer_state=True)` each replica keeps 1/N
+Under `LocalReplicator(shard_optimizer_state=True)` (or the same argument
+of `MultiWorkerReplicator`) each replica keeps 1/N
 of every per-weight optimizer variable (Adam's two slots, SGD's momentum,
 RMSprop's average, gradient accumulators) instead of a full copy: for a
 model variable of `size` elements, a flat shard of `ceil(size / N)`
@@ -41,8 +42,8 @@ Refused, with a `ValueError` when the optimizer is built: optimizers whose
 update is not element by element or that are not tested here (anything
 but the classes in `SUPPORTED`; e.g. `Adafactor`'s factored state, `Lamb`'s
 per-variable trust ratio), `use_ema`, `loss_scale_factor`,
-`LossScaleOptimizer`, and `MultiWorkerReplicator` (the replicator does not
-take the argument yet).
+and `LossScaleOptimizer`. Under `MultiWorkerReplicator` saving and loading
+are collectives: every worker must save and load (`fit`'s callbacks do).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from keras.src.optimizers import sgd
 from keras_replicator._src import collectives
 from keras_replicator._src.patches import registry
 
-KINDS = frozenset({"local"})
+KINDS = frozenset({"local", "multi_worker"})
 
 # Exact classes whose `update_step` is element by element and that the
 # tests compare with one device. A subclass may override `update_step`, so
@@ -276,9 +277,37 @@ def apply(original, optimizer, grads, trainable_variables):
     return None
 
 
-def _components(variable):
-    """The per-replica tf.Variables of a sharded Keras variable."""
-    return list(variable.value.values)
+def _gather_full(strategy, variable, shape, size):
+    """The full value of a sharded variable, on every worker (a collective)."""
+
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        (full,) = collectives.all_gather_flat(
+            ctx, [tf.convert_to_tensor(variable.value)]
+        )
+        return full
+
+    # `run` in a tf.function: the gather is one collective per variable.
+    gathered = tf.function(lambda: strategy.run(replica_fn))()
+    flat = strategy.experimental_local_results(gathered)[0].numpy()
+    return flat[:size].reshape(shape)
+
+
+def _scatter_full(strategy, variable, value, size):
+    """Assigns each replica its slice of the full `value` (no collective)."""
+    k = variable.shape[0]
+    n = strategy.num_replicas_in_sync
+    flat = np.zeros(k * n, value.dtype)
+    flat[:size] = value.reshape(-1)
+    flat = tf.constant(flat)
+
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        start = ctx.replica_id_in_sync_group * k
+        # In replica context a SyncOnRead variable assigns its own copy.
+        variable.value.assign(tf.slice(flat, [start], [k]))
+
+    tf.function(lambda: strategy.run(replica_fn))()
 
 
 def _save_own_variables(original, self, store):
@@ -288,8 +317,9 @@ def _save_own_variables(original, self, store):
     for i, variable in enumerate(self.variables):
         if id(variable) in shards.slots:
             shape, size = shards.slots[id(variable)]
-            flat = np.concatenate([c.numpy() for c in _components(variable)])
-            store[str(i)] = flat[:size].reshape(shape)
+            store[str(i)] = _gather_full(
+                self._distribution_strategy, variable, shape, size
+            )
         else:
             store[str(i)] = variable.numpy()
     return None
@@ -312,12 +342,7 @@ def _load_own_variables(original, self, store):
                 "the checkpoint holds another. Received: "
                 f"shape={tuple(value.shape)}"
             )
-        components = _components(variable)
-        k = components[0].shape[0]
-        flat = np.zeros(k * len(components), value.dtype)
-        flat[:size] = value.reshape(-1)
-        for r, component in enumerate(components):
-            component.assign(flat[r * k : (r + 1) * k])
+        _scatter_full(self._distribution_strategy, variable, value, size)
     return None
 
 

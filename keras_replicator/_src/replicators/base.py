@@ -130,6 +130,24 @@ class ReplicatorMixin:
         """
         return getattr(self, "_gradient_reduction", "auto")
 
+    def _set_shard_optimizer_state(self, shard_optimizer_state: bool) -> None:
+        """Validates and keeps the `shard_optimizer_state` argument."""
+        if not isinstance(shard_optimizer_state, bool):
+            raise TypeError(
+                "`shard_optimizer_state` must be True or False. Received: "
+                f"shard_optimizer_state={shard_optimizer_state!r}"
+            )
+        self._shard_optimizer_state = shard_optimizer_state
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Whether optimizers keep 1/N of their per-weight state per replica.
+
+        ZeRO stage 1, opt-in; checkpoints still hold the full state. See
+        `patches/shard_state.py` and the Speed page of the docs.
+        """
+        return getattr(self, "_shard_optimizer_state", False)
+
     def _set_hang_seconds(self, hang_seconds: float | None) -> None:
         """Validates and keeps the `hang_seconds` argument."""
         hang_watchdog.check_setting("hang_seconds", hang_seconds)

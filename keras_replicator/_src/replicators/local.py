@@ -84,12 +84,7 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
     ):
         self._set_gradient_reduction(gradient_reduction)
         self._set_hang_seconds(hang_seconds)
-        if not isinstance(shard_optimizer_state, bool):
-            raise TypeError(
-                "`shard_optimizer_state` must be True or False. Received: "
-                f"shard_optimizer_state={shard_optimizer_state!r}"
-            )
-        self._shard_optimizer_state = shard_optimizer_state
+        self._set_shard_optimizer_state(shard_optimizer_state)
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
@@ -97,14 +92,6 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         # collectives inside tf.cond (nested_collectives), ...
         self._install_patches()
         super().__init__(devices=device_names)
-
-    @property
-    def shard_optimizer_state(self) -> bool:
-        """Whether optimizers keep 1/N of their per-weight state per replica.
-
-        See `patches/shard_state.py`.
-        """
-        return self._shard_optimizer_state
 
 
 def _resolve_devices(

@@ -73,6 +73,11 @@ class MultiWorkerReplicator(
             checkpoint saves (this worker's or another's) are not timed; a
             stall warning names the workers behind. 0 turns it off.
             Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
+        shard_optimizer_state: If True, each replica keeps 1/N of every
+            per-weight optimizer variable (ZeRO stage 1); checkpoints hold
+            the full state, gathered from every worker, so every worker
+            must save (as `fit`'s callbacks do). See the `LocalReplicator`
+            argument. Defaults to False.
 
     Raises:
         ValueError: If the cluster is missing or malformed (the message names
@@ -92,9 +97,11 @@ class MultiWorkerReplicator(
         collective_timeout_seconds: float | None = None,
         gradient_reduction: str = "auto",
         hang_seconds: float | None = None,
+        shard_optimizer_state: bool = False,
     ):
         self._set_gradient_reduction(gradient_reduction)
         self._set_hang_seconds(hang_seconds)
+        self._set_shard_optimizer_state(shard_optimizer_state)
         validation.check_positive_int(
             "replicas_per_worker", replicas_per_worker, allow_none=True
         )
