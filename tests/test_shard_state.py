@@ -213,3 +213,74 @@ def test_refuses_own_strategy_run():
 
     with pytest.raises(ValueError, match="Received: optimizer=Adam"):
         step()
+
+
+class CustomStepModel(keras.Sequential):
+    """A hand-written `train_step`, as on one device."""
+
+    def train_step(self, data):
+        x, y = data[:2]
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def _custom_step_model(strategy):
+    keras.utils.set_random_seed(1)
+    scope = strategy.scope() if strategy else tf.device("CPU:0")
+    with scope:
+        model = CustomStepModel(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(7, activation="relu"),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(OPTIMIZERS["adam"](), "mse")
+    return model
+
+
+def test_custom_train_step_and_train_on_batch_equal_one_device():
+    x, y = _data()
+    models = [_custom_step_model(s) for s in (None, _sharded(4))]
+    for model in models:
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        model.train_on_batch(x[:16], y[:16])
+    helpers.assert_weights_close(
+        models[1].get_weights(), models[0].get_weights()
+    )
+
+
+def test_replicate_step_equals_one_device():
+    x, y = _data()
+    reference = _model(None, OPTIMIZERS["adam"])
+    replicator = _sharded(4)
+    model = _model(replicator, OPTIMIZERS["adam"])
+    with pytest.raises(RuntimeError, match="optimizer.build"):
+        replicator.run(
+            tf.function(
+                lambda: model.optimizer.build(model.trainable_variables)
+            )
+        )
+    # Variables are made before the step, as `replicate` asks.
+    with replicator.scope():
+        model.optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    def step_fn(batch):
+        features, targets = batch
+        with tf.GradientTape() as tape:
+            loss = loss_fn(targets, model(features, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    step = replicator.replicate(
+        step_fn, helpers.replica_ordered_input_fn(x, y, 16)
+    )
+    for _ in range(4):
+        step()
+    reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())

@@ -160,6 +160,16 @@ def _build(original, self, variables):
     if not enabled(strategy) or self in _SHARDS:
         return original(self, variables)
     _check_supported(self)
+    ctx = tf.distribute.get_replica_context()
+    # Outside any scope the default replica context is not a replica step.
+    if ctx is not None and ctx.strategy is strategy:
+        raise RuntimeError(
+            "An optimizer with sharded state (`shard_optimizer_state=True`) "
+            "must be built before the replica step: call "
+            "`optimizer.build(model.trainable_variables)` under "
+            "`replicator.scope()` first (`fit` does it for you). It was "
+            "built in a replica context."
+        )
     shards = _Shards(strategy.num_replicas_in_sync)
     # Registered first: the subclass' `build` creates its slots (through
     # `add_variable_from_reference`) after this base `build` returns.
