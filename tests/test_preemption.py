@@ -31,8 +31,16 @@ STOP_AT = 11  # step 3 of the second epoch
 pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data")
 
 
-def _fit(kind, backup_dir, stop_at=None, sig=signal.SIGTERM, backup=True):
-    replicator = kr.LocalReplicator(2)
+def _fit(
+    kind,
+    backup_dir,
+    stop_at=None,
+    sig=signal.SIGTERM,
+    backup=True,
+    replicas=2,
+    **fit_kwargs,
+):
+    replicator = kr.LocalReplicator(replicas)
     model = ref.build(replicator)
 
     def at_step(step):
@@ -44,7 +52,7 @@ def _fit(kind, backup_dir, stop_at=None, sig=signal.SIGTERM, backup=True):
     if backup:
         callbacks.insert(0, keras.callbacks.BackupAndRestore(backup_dir))
     model.fit(
-        **ref.fit_inputs(kind, replicator),
+        **{**ref.fit_inputs(kind, replicator), **fit_kwargs},
         epochs=ref.EPOCHS,
         callbacks=callbacks,
         verbose=0,
@@ -99,6 +107,67 @@ def test_configured_signal_and_an_epoch_end_backup(references, tmp_path):
     weights, trained = _fit("dataset", backup_dir)
     assert trained[0] == (1, 0)
     assert_weights_close(weights, references["dataset"])
+
+
+@pytest.mark.parametrize("kind", ["arrays", "distribute"])
+def test_a_backup_resumes_on_another_replica_count(
+    kind, references, tmp_path, capfd
+):
+    # 2 replicas to 4; the multi-worker directions are in
+    # tests/multi_worker/test_resume_topology.py.
+    backup_dir = str(tmp_path / "backup")
+    assert _preempted(kind, backup_dir, stop_at=STOP_AT) == 75
+    topology = _metadata(backup_dir)["keras_replicator"]["topology"]
+    assert topology == {
+        "replicator": "LocalReplicator",
+        "workers": 1,
+        "replicas": 2,
+    }
+    weights, trained = _fit(kind, backup_dir, replicas=4)
+    assert trained[0] == (1, 3)
+    assert len(trained) == ref.TOTAL_STEPS - STOP_AT
+    # The uninterrupted run on 2 replicas (one data pipeline's order).
+    assert_weights_close(weights, references[kind])
+    assert (
+        "resuming a backup written on LocalReplicator (2 replicas) on "
+        "LocalReplicator (4 replicas), with the same global batch"
+    ) in capfd.readouterr().err
+
+
+def test_a_mid_epoch_resume_with_other_batches_says_it_cannot_be_exact(
+    tmp_path,
+):
+    backup_dir = str(tmp_path / "backup")
+    assert _preempted("arrays", backup_dir, stop_at=STOP_AT) == 75
+    # Twice the global batch: 4 batches per epoch instead of 8.
+    with pytest.raises(ValueError, match="cannot resume exactly") as info:
+        _fit("arrays", backup_dir, batch_size=2 * ref.GLOBAL_BATCH)
+    message = str(info.value)
+    assert "written after step 3 of epoch 2" in message
+    assert "its epochs had 8 batches and have 4 here" in message
+    assert f"Received: backup_dir={backup_dir!r}" in message
+
+
+def test_data_sharded_per_worker_cannot_resume_mid_epoch_elsewhere(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    assert _preempted("distribute", backup_dir, stop_at=STOP_AT) == 75
+    # As 2 workers write it: `replicator.distribute(..., shuffle_seed=1)`
+    # shuffles within each worker's shard, so a step's examples depend on
+    # the number of workers.
+    path = os.path.join(backup_dir, "training_metadata.json")
+    metadata = _metadata(backup_dir)
+    ours = metadata["keras_replicator"]
+    ours["topology"] = {**ours["topology"], "workers": 2, "replicas": 4}
+    ours["order_by_workers"] = True
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    with pytest.raises(ValueError, match="on another number of workers"):
+        _fit("distribute", backup_dir)
+    # An epoch-end backup starts its next epoch afresh on any topology.
+    ours["steps_done"] = 0
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    _fit("distribute", backup_dir)
 
 
 def test_without_backup_the_fit_still_stops_at_the_step(tmp_path):

@@ -293,6 +293,35 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def launch_command(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    num_workers: int = 2,
+    replicas_per_worker: int = 2,
+    max_restarts: int = 0,
+) -> list[str]:
+    """`keras-replicator launch ... -- python script args`, as an argv."""
+    script_path = Path(sys.executable).parent / "keras-replicator"
+    if script_path.exists():
+        command = [str(script_path)]
+    else:
+        command = [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
+    return [
+        *command,
+        "launch",
+        "--workers",
+        str(num_workers),
+        "--replicas-per-worker",
+        str(replicas_per_worker),
+        "--max-restarts",
+        str(max_restarts),
+        "--",
+        sys.executable,
+        str(script),
+        *args,
+    ]
+
+
 def run_launcher(
     script: str | os.PathLike,
     args: Sequence[str] = (),
@@ -300,6 +329,7 @@ def run_launcher(
     replicas_per_worker: int = 2,
     env: Mapping[str, str] | None = None,
     timeout: float = 240,
+    max_restarts: int = 0,
 ) -> tuple[subprocess.CompletedProcess, list[Any]]:
     """Runs `keras-replicator launch --workers N -- python script args`.
 
@@ -311,28 +341,16 @@ def run_launcher(
         env: Extra environment variables for the launcher (and so for every
             worker).
         timeout: Seconds until the launcher is killed (then
-            `subprocess.TimeoutExpired` is raised).
+            `subprocess.TimeoutExpired` is raised; its workers die with it).
+        max_restarts: `--max-restarts`.
 
     Returns:
         The launcher's `CompletedProcess` (text stdout with both workers'
         prefixed lines) and each worker's `write_result` value (or None).
     """
-    script_path = Path(sys.executable).parent / "keras-replicator"
-    if script_path.exists():
-        command = [str(script_path)]
-    else:
-        command = [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
-    command += [
-        "launch",
-        "--workers",
-        str(num_workers),
-        "--replicas-per-worker",
-        str(replicas_per_worker),
-        "--",
-        sys.executable,
-        str(script),
-        *args,
-    ]
+    command = launch_command(
+        script, args, num_workers, replicas_per_worker, max_restarts
+    )
     with tempfile.TemporaryDirectory(prefix="kr_launch_") as tmp:
         full_env = {
             **os.environ,
@@ -356,6 +374,108 @@ def run_launcher(
                 json.loads(path.read_text()) if path.exists() else None
             )
     return proc, results
+
+
+class Background:
+    """A command started in its own session; its output goes to a file.
+
+    For tests that signal or kill a run while it goes on. Each worker's
+    `write_result` lands in `<folder>/<name>_<index>.json`.
+
+    Args:
+        command: The argv.
+        folder: Where the log and the results go.
+        name: Names the log (`<name>.log`) and the results.
+        env: The full environment of the command.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        folder: Path,
+        name: str,
+        env: Mapping[str, str],
+    ):
+        self.folder, self.name = Path(folder), name
+        self.log = self.folder / f"{name}.log"
+        full_env = {
+            **env,
+            RESULT_ENV: str(self.folder / f"{name}_{{index}}.json"),
+        }
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                list(command),
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+            )
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code; kills its group (then raises) at the timeout."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Kills its process group, if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def output(self) -> str:
+        """Everything it printed so far."""
+        return self.log.read_text(errors="replace")
+
+    def result(self, index: int = 0) -> Any:
+        """Worker `index`'s `write_result` value, or None."""
+        path = self.folder / f"{self.name}_{index}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def wait_for_pid_file(path: Path, run: Background, timeout: float = 180) -> int:
+    """Waits until a worker wrote its pid to `path`; returns the pid.
+
+    Raises:
+        AssertionError: With the run's output, if it ended or `timeout`
+            passed first.
+    """
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert run.proc.poll() is None, run.output()[-4000:]
+        assert time.monotonic() < deadline, run.output()[-4000:]
+        time.sleep(0.1)
+    time.sleep(0.1)  # the pid is written
+    return int(path.read_text())
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, already ended, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state follows the parenthesised command name.
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_until_gone(pids: Sequence[int], timeout: float = 30) -> list[int]:
+    """Waits up to `timeout` s for `pids` to end; returns those alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [pid for pid in pids if alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def describe(results: Sequence[WorkerResult], tail: int = 4000) -> str:

@@ -4,6 +4,8 @@
 and shuffled data order must both continue exactly after a resume.
 """
 
+import json
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -77,3 +79,33 @@ class Probe(keras.callbacks.Callback):
         self.trained.append((self._epoch, batch))
         if self._at_step is not None:
             self._at_step(self._epoch * STEPS_PER_EPOCH + batch + 1)
+
+
+def reference_weights(strategy=None):
+    """The weights of an uninterrupted fit on `strategy` (default: none)."""
+    strategy = strategy or tf.distribute.get_strategy()
+    model = build(strategy)
+    model.fit(**fit_inputs("arrays", None), epochs=EPOCHS, verbose=0)
+    return model.get_weights()
+
+
+def backup_step(backup):
+    """The step of the whole training a backup was written at (1-based)."""
+    metadata = json.loads((backup / "training_metadata.json").read_text())
+    ours = metadata["keras_replicator"]
+    return ours["epoch"] * STEPS_PER_EPOCH + ours["steps_done"]
+
+
+def step_of(epoch_batch):
+    """The 0-based step of the whole training of an (epoch, batch) pair."""
+    epoch, batch = epoch_batch
+    return epoch * STEPS_PER_EPOCH + batch
+
+
+def assert_weights(result, expected, atol=1e-5):
+    """Asserts a worker's reported weights equal `expected` within `atol`."""
+    assert result is not None and "weights" in result, result
+    for i, (a, e) in enumerate(zip(result["weights"], expected, strict=True)):
+        np.testing.assert_allclose(
+            np.array(a), e, atol=atol, rtol=0, err_msg=f"weight {i}"
+        )

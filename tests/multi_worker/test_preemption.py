@@ -11,15 +11,10 @@ as many replicas). Workers run `workers/preempt_worker.py`, a plain
 `BackupAndRestore` fit; each subprocess has a bounded timeout.
 """
 
-import json
 import os
 import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import keras_replicator as kr
@@ -54,84 +49,15 @@ def references():
 
 
 def _launcher(backup, max_restarts=0):
-    script = Path(sys.executable).parent / "keras-replicator"
-    command = (
-        [str(script)]
-        if script.exists()
-        else [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
+    return harness.launch_command(
+        WORKER, [str(backup)], max_restarts=max_restarts
     )
-    return [
-        *command,
-        "launch",
-        "--workers",
-        "2",
-        "--replicas-per-worker",
-        "2",
-        "--max-restarts",
-        str(max_restarts),
-        "--",
-        sys.executable,
-        str(WORKER),
-        str(backup),
-    ]
 
 
-class _Run:
-    """One start of a command, its output in a file, its results."""
-
-    def __init__(self, command, tmp, name, env):
-        self.tmp, self.name = tmp, name
-        self.log = tmp / f"{name}.log"
-        full_env = {
-            **os.environ,
-            **BASE_ENV,
-            harness.RESULT_ENV: str(tmp / f"{name}_{{index}}.json"),
-            **env,
-        }
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                command,
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=harness.REPO_ROOT,
-                start_new_session=True,
-            )
-
-    def wait(self, timeout):
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.kill()
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def output(self):
-        return self.log.read_text(errors="replace")
-
-    def result(self, index=0):
-        path = self.tmp / f"{self.name}_{index}.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-
-def _wait_for(path, run, timeout=180):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert run.proc.poll() is None, run.output()[-4000:]
-        assert time.monotonic() < deadline, run.output()[-4000:]
-        time.sleep(0.1)
-    time.sleep(0.1)  # the pid is written
-    return int(path.read_text())
-
-
-def _backup_step(backup):
-    """The step of the whole training a backup was written at (1-based)."""
-    metadata = json.loads((backup / "training_metadata.json").read_text())
-    ours = metadata["keras_replicator"]
-    return ours["epoch"] * ref.STEPS_PER_EPOCH + ours["steps_done"]
+def _start(command, tmp, name, env):
+    return harness.Background(
+        command, tmp, name, {**os.environ, **BASE_ENV, **env}
+    )
 
 
 def _assert_gone(pids):
@@ -140,23 +66,10 @@ def _assert_gone(pids):
             os.kill(pid, 0)
 
 
-def _assert_weights(result, expected):
-    assert result is not None and "weights" in result, result
-    for i, (a, e) in enumerate(zip(result["weights"], expected, strict=True)):
-        np.testing.assert_allclose(
-            np.array(a), e, atol=1e-5, rtol=0, err_msg=f"weight {i}"
-        )
-
-
-def _step_of(epoch_batch):
-    epoch, batch = epoch_batch
-    return epoch * ref.STEPS_PER_EPOCH + batch
-
-
 @pytest.mark.multi_worker
 @pytest.mark.timeout(400)
 def test_max_restarts_restarts_the_group_after_a_sigkill(references, tmp_path):
-    run = _Run(
+    run = _start(
         _launcher(tmp_path / "backup", max_restarts=2),
         tmp_path,
         "restart",
@@ -170,7 +83,7 @@ def test_max_restarts_restarts_the_group_after_a_sigkill(references, tmp_path):
         result = run.result(index)
         # The restarted group resumed at the epoch-end backup of epoch 1.
         assert result["trained"][0] == [1, 0]
-        _assert_weights(result, references[4])
+        ref.assert_weights(result, references[4])
 
 
 @pytest.mark.multi_worker
@@ -180,50 +93,52 @@ def test_sigterm_to_a_worker_then_to_the_launcher_resumes_exactly(
 ):
     backup = tmp_path / "backup"
     # 1. SIGTERM to worker 1 only, in the second epoch.
-    first = _Run(
+    first = _start(
         _launcher(backup),
         tmp_path,
         "first",
         {"PREEMPT_MARK": str(tmp_path / "a{index}"), "PREEMPT_MARK_STEP": "10"},
     )
-    pid1 = _wait_for(tmp_path / "a1", first)
-    pid0 = _wait_for(tmp_path / "a0", first)
+    pid1 = harness.wait_for_pid_file(tmp_path / "a1", first)
+    pid0 = harness.wait_for_pid_file(tmp_path / "a0", first)
     os.kill(pid1, signal.SIGTERM)
     assert first.wait(timeout=60) == PREEMPTED, first.output()[-4000:]
     _assert_gone([pid0, pid1])
     assert "worker 1 was preempted" in first.output() or (
         "worker 0 was preempted" in first.output()
     )
-    saved = _backup_step(backup)
+    saved = ref.backup_step(backup)
     assert 10 <= saved <= 14 and saved % ref.STEPS_PER_EPOCH, saved
 
     # 2. The same command resumes there; SIGTERM to the launcher.
-    second = _Run(
+    second = _start(
         _launcher(backup),
         tmp_path,
         "second",
         {"PREEMPT_MARK": str(tmp_path / "b{index}"), "PREEMPT_MARK_STEP": "18"},
     )
-    pids = [_wait_for(tmp_path / f"b{i}", second) for i in (0, 1)]
+    pids = [
+        harness.wait_for_pid_file(tmp_path / f"b{i}", second) for i in (0, 1)
+    ]
     second.proc.send_signal(signal.SIGTERM)
     assert second.wait(timeout=60) == PREEMPTED, second.output()[-4000:]
     _assert_gone(pids)
     assert "received SIGTERM; forwarding it to every worker" in second.output()
     for index in (0, 1):
         trained = second.result(index)["trained"]
-        assert _step_of(trained[0]) == saved, trained
-    resaved = _backup_step(backup)
+        assert ref.step_of(trained[0]) == saved, trained
+    resaved = ref.backup_step(backup)
     assert 18 <= resaved <= 22 and resaved % ref.STEPS_PER_EPOCH, resaved
-    assert _step_of(trained[-1]) + 1 in (resaved, resaved + 1)
+    assert ref.step_of(trained[-1]) + 1 in (resaved, resaved + 1)
 
     # 3. The same command trains only the rest, to the uninterrupted weights.
-    third = _Run(_launcher(backup), tmp_path, "third", {})
+    third = _start(_launcher(backup), tmp_path, "third", {})
     assert third.wait(timeout=240) == 0, third.output()[-4000:]
     for index in (0, 1):
         result = third.result(index)
-        assert _step_of(result["trained"][0]) == resaved
+        assert ref.step_of(result["trained"][0]) == resaved
         assert len(result["trained"]) == ref.TOTAL_STEPS - resaved
-        _assert_weights(result, references[4])
+        ref.assert_weights(result, references[4])
 
 
 @pytest.mark.multi_worker
@@ -235,15 +150,15 @@ def test_killed_while_writing_a_backup_resumes_from_the_previous_one(
     command = [sys.executable, str(WORKER), str(backup)]
     local = {"PREEMPT_REPLICATOR": "local", "PREEMPT_SAVE_FREQ": "3"}
     # 1. Killed while writing its third backup (step 9): step 6 stays.
-    first = _Run(
+    first = _start(
         command, tmp_path, "first", {**local, "PREEMPT_DIE_ON_SAVE": "3"}
     )
     assert first.wait(timeout=180) == -signal.SIGKILL, first.output()[-4000:]
-    assert _backup_step(backup) == 6
+    assert ref.backup_step(backup) == 6
     assert (tmp_path / "backup.partial").is_dir()  # the unfinished write
 
     # 2. Resumes from step 6; SIGTERM to the one process at step 13.
-    second = _Run(
+    second = _start(
         command,
         tmp_path,
         "second",
@@ -253,18 +168,18 @@ def test_killed_while_writing_a_backup_resumes_from_the_previous_one(
             "PREEMPT_MARK_STEP": "13",
         },
     )
-    os.kill(_wait_for(tmp_path / "m", second), signal.SIGTERM)
+    os.kill(harness.wait_for_pid_file(tmp_path / "m", second), signal.SIGTERM)
     assert second.wait(timeout=60) == PREEMPTED, second.output()[-4000:]
     trained = second.result()["trained"]
-    assert _step_of(trained[0]) == 6
-    assert _backup_step(backup) in (13, 14)
+    assert ref.step_of(trained[0]) == 6
+    assert ref.backup_step(backup) in (13, 14)
 
     # 3. The rest, to the weights of an uninterrupted run.
-    third = _Run(command, tmp_path, "third", local)
+    third = _start(command, tmp_path, "third", local)
     assert third.wait(timeout=180) == 0, third.output()[-4000:]
     result = third.result()
-    assert _step_of(result["trained"][0]) == _step_of(trained[-1]) + 1
-    _assert_weights(result, references[2])
+    assert ref.step_of(result["trained"][0]) == ref.step_of(trained[-1]) + 1
+    ref.assert_weights(result, references[2])
 
 
 @pytest.mark.multi_worker
@@ -285,7 +200,7 @@ def test_simulated_slurm_job_gets_sigusr1_and_is_requeued(references, tmp_path):
         env_names.CPU_REPLICAS: "2",
     }
     # `#SBATCH --signal=USR1@90`: the signal comes ahead of the end.
-    first = _Run(
+    first = _start(
         command,
         tmp_path,
         "first",
@@ -295,17 +210,17 @@ def test_simulated_slurm_job_gets_sigusr1_and_is_requeued(references, tmp_path):
             "PREEMPT_MARK_STEP": "5",
         },
     )
-    os.kill(_wait_for(tmp_path / "m", first), signal.SIGUSR1)
+    os.kill(harness.wait_for_pid_file(tmp_path / "m", first), signal.SIGUSR1)
     assert first.wait(timeout=60) == PREEMPTED, first.output()[-4000:]
     assert "preempted (SIGUSR1)" in first.output()
-    saved = _backup_step(backup)
+    saved = ref.backup_step(backup)
     assert saved in (5, 6)
 
     # `scontrol requeue`: the same job again, SLURM_RESTART_COUNT set.
-    requeued = _Run(
+    requeued = _start(
         command, tmp_path, "requeued", {**slurm, "SLURM_RESTART_COUNT": "1"}
     )
     assert requeued.wait(timeout=180) == 0, requeued.output()[-4000:]
     result = requeued.result()
-    assert _step_of(result["trained"][0]) == saved
-    _assert_weights(result, references[2])
+    assert ref.step_of(result["trained"][0]) == saved
+    ref.assert_weights(result, references[2])

@@ -7,7 +7,8 @@ entry points (`trainer_loops`), the train batch end and
 `BackupAndRestore`'s save (`preemption`) belong to other patches, which
 call the watchdog themselves; this patch owns the rest:
 
-- `CallbackList.on_test_batch_end` and `on_predict_batch_end`: after the
+- `CallbackList.on_test_batch_end` and `on_predict_batch_end`: the step
+  ran (the first one is traced, the clock starts), then, after the
   callbacks returned, a beat of the innermost watched loop (`evaluate`,
   validation inside `fit`, `predict`);
 - `ModelCheckpoint._save_model`: the watchdog's clock stops while it
@@ -29,11 +30,13 @@ from keras_replicator._src.training import hang_watchdog
 
 
 def _on_test_batch_end(original, self, batch, logs=None):
+    hang_watchdog.arm()
     original(self, batch, logs)
     hang_watchdog.beat()
 
 
 def _on_predict_batch_end(original, self, batch, logs=None):
+    hang_watchdog.arm()
     original(self, batch, logs)
     hang_watchdog.beat()
 

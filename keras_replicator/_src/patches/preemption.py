@@ -146,8 +146,10 @@ def _on_train_batch_end(original, self, batch, logs=None):
     if run is None:
         return original(self, batch, logs)
     run.done = batch + 1
+    # The step ran (the first one traced): the hang watchdog times the
+    # callbacks, and counts the step once they returned.
+    hang_watchdog.arm()
     original(self, batch, logs)
-    # The step and its callbacks are done: the hang watchdog's progress.
     hang_watchdog.beat()
     if run.agreement.should_stop():
         _stop(self, run)
@@ -352,13 +354,13 @@ def _check_exact(epoch_iterator, resume: dict) -> None:
     """
     done = resume["steps_done"]
     saved = resume.get("topology")
-    if not done or not saved:
+    recorded, current = resume.get("num_batches"), epoch_iterator._num_batches
+    if not done or not saved or (recorded and done >= recorded):
         # An epoch-end backup: the next epoch starts afresh anywhere.
         return
     strategy = epoch_iterator._distribute_strategy
     now = topology(strategy)
     problems = []
-    recorded, current = resume.get("num_batches"), epoch_iterator._num_batches
     if recorded and current and recorded != current:
         problems.append(
             f"its epochs had {recorded} batches and have {current} here"

@@ -10,8 +10,9 @@ per process (started by the first such loop) watches for progress:
 - Progress is a batch end whose callbacks returned (Keras' loops), or a
   `replicate` step call that returned. The time between two step calls
   is the caller's own code and is not timed.
-- Not timed: the first step of every loop (tracing and compiling it), the
-  saves of `BackupAndRestore` and `ModelCheckpoint`, and, on several
+- Not timed: the first step of every loop (tracing and compiling it, up to
+  its callbacks, which are timed), the saves of `BackupAndRestore` and
+  `ModelCheckpoint`, and, on several
   workers, the time another worker spends in such a save: each worker
   publishes its saves in TensorFlow's coordination-service key-value store
   (from this thread, never from the loop), and a worker that waits reads
@@ -154,7 +155,7 @@ class _Frame:
         # Steps finished; the one in flight is `steps + 1`.
         self.steps = 0
         self.last = time.monotonic()
-        # False until the first step finished: it traces and compiles.
+        # False until the first step computed: it traces and compiles.
         self.armed = False
         self.slowest = 0.0
         self.thread = threading.get_ident()
@@ -555,6 +556,18 @@ class StepWatch:
             frame.armed = True
         _converted(frame, error)
         return False
+
+
+def arm() -> None:
+    """Notes that the innermost loop's step ran: the first one is traced.
+
+    Called when a step's computation returned, before its callbacks; from
+    then on the loop is timed, the first step's callbacks included.
+    """
+    frames = _watchdog.frames
+    if frames and not frames[-1].armed:
+        frames[-1].last = time.monotonic()
+        frames[-1].armed = True
 
 
 def beat() -> None:

@@ -16,6 +16,15 @@ environment adds test instrumentation:
   mark step if the path does not exist yet (and creates it).
 - `PREEMPT_DIE_ON_SAVE`: N; worker 0's N-th weights save writes its file,
   then the process kills itself with SIGKILL (killed mid-backup).
+- `PREEMPT_HANG_ONCE`: a path; worker 1 blocks forever in Python (a
+  callback that never returns) at the mark step if the path does not
+  exist yet (and creates it).
+- `PREEMPT_SLOW_TRACE`: seconds; worker 0 sleeps that long while its train
+  step, and its test step, are traced (the first step of fit and of
+  validation).
+- `PREEMPT_SLOW_SAVE`: seconds; worker 0's first backup save takes that
+  much longer (after writing its file).
+- `PREEMPT_VALIDATE`: "1" adds validation data to the fit.
 
 At the end it reports its final weights and the (epoch, batch) of every
 step it trained (only the steps, when preempted).
@@ -24,6 +33,7 @@ step it trained (only the steps, when preempted).
 import os
 import signal
 import sys
+import threading
 import time
 
 import keras_replicator as kr
@@ -48,6 +58,9 @@ mark_step = int(os.environ.get("PREEMPT_MARK_STEP", "0"))
 slow = float(os.environ.get("PREEMPT_SLOW", "0.3"))
 kill_once = os.environ.get("PREEMPT_KILL_ONCE")
 die_on_save = int(os.environ.get("PREEMPT_DIE_ON_SAVE", "0"))
+hang_once = os.environ.get("PREEMPT_HANG_ONCE")
+slow_trace = float(os.environ.get("PREEMPT_SLOW_TRACE", "0"))
+slow_save = float(os.environ.get("PREEMPT_SLOW_SAVE", "0"))
 index = harness.task_index()
 
 model = ref.build(replicator)
@@ -62,9 +75,36 @@ def _save_then_maybe_die(*args, **kwargs):
     saves.append(1)
     if index == 0 and len(saves) == die_on_save:
         os.kill(os.getpid(), signal.SIGKILL)
+    if index == 0 and len(saves) == 1 and slow_save:
+        print(f"slow save: {slow_save:g} s", flush=True)
+        time.sleep(slow_save)
 
 
 model.save_weights = _save_then_maybe_die
+
+
+def _slow_when_traced(step):
+    """`step`, sleeping `slow_trace` s the first time (it is traced)."""
+    traced = []
+
+    def step_fn(data):
+        if index == 0 and not traced:
+            traced.append(1)
+            print(f"slow trace: {slow_trace:g} s", flush=True)
+            time.sleep(slow_trace)
+        return step(data)
+
+    return step_fn
+
+
+if slow_trace:
+    model.train_step = _slow_when_traced(model.train_step)
+    model.test_step = _slow_when_traced(model.test_step)
+
+
+def _block_forever():
+    """A callback that never returns; its heartbeats go on."""
+    threading.Event().wait()
 
 
 def _at_step(step):
@@ -77,6 +117,10 @@ def _at_step(step):
             f.write(str(os.getpid()))
     if mark and step >= mark_step:
         time.sleep(slow)
+    if step == mark_step and hang_once and index == 1:
+        if not os.path.exists(hang_once):
+            open(hang_once, "w").close()
+            _block_forever()
 
 
 save_freq = os.environ.get("PREEMPT_SAVE_FREQ")
@@ -84,6 +128,8 @@ backup = keras.callbacks.BackupAndRestore(
     backup_dir, save_freq=int(save_freq) if save_freq else "epoch"
 )
 probe = ref.Probe(_at_step)
+if os.environ.get("PREEMPT_VALIDATE") == "1":
+    inputs["validation_data"] = (inputs["x"][:16], inputs["y"][:16])
 try:
     model.fit(**inputs, epochs=ref.EPOCHS, callbacks=[backup, probe], verbose=0)
 except SystemExit:

@@ -1,0 +1,134 @@
+"""The hang watchdog with real worker processes, as a user runs them.
+
+Workers run `workers/preempt_worker.py`, a plain `BackupAndRestore` fit,
+under `keras-replicator launch --workers 2 --max-restarts 1`:
+
+- worker 1 blocks in Python at step 10 (a callback that never returns;
+  its heartbeats go on) with `KERAS_REPLICATOR_HANG_SECONDS=20`: the stall
+  warning names it as behind, it prints its stack with its task id and
+  exits 76, the launcher restarts the group, which resumes from the
+  backup and ends with one device's weights;
+- the same run with the watchdog off hangs until the test's own timeout
+  (so the first test can fail), and the launcher, killed then, leaves no
+  worker;
+- no false alarm: worker 0 takes 30 s to trace its first step and its
+  first validation step and 30 s more to write its first backup, each
+  time with worker 1 waiting for it, under a 20 s timeout.
+"""
+
+import os
+import subprocess
+
+import pytest
+
+from keras_replicator._src.core import env as env_names
+from tests.multi_worker import harness
+from tests.multi_worker import preempt_reference as ref
+
+pytestmark = pytest.mark.multi_worker
+
+WORKER = harness.REPO_ROOT / "tests/multi_worker/workers/preempt_worker.py"
+HANG_SECONDS = "20"
+BLOCKED_STEP = 10
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return ref.reference_weights()
+
+
+def _blocked_once(tmp_path, hang_seconds):
+    return {
+        env_names.HANG_SECONDS: hang_seconds,
+        "PREEMPT_MARK_STEP": str(BLOCKED_STEP),
+        "PREEMPT_HANG_ONCE": str(tmp_path / "blocked"),
+        # Each worker writes its pid at the step; no slow steps after it.
+        "PREEMPT_MARK": str(tmp_path / "pid{index}"),
+        "PREEMPT_SLOW": "0",
+    }
+
+
+@pytest.mark.timeout(300)
+def test_a_blocked_worker_is_ended_and_the_restarted_group_resumes(
+    one_device, tmp_path
+):
+    proc, results = harness.run_launcher(
+        WORKER,
+        [str(tmp_path / "backup")],
+        num_workers=2,
+        replicas_per_worker=1,
+        env=_blocked_once(tmp_path, HANG_SECONDS),
+        # Well within 4 minutes, with two start-ups on 2 shared cores.
+        timeout=240,
+        max_restarts=1,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-8000:]
+    assert (tmp_path / "blocked").exists()
+    # The stall warning, from the coordination service's view of both.
+    assert (
+        f"Workers that have not finished step {BLOCKED_STEP}: worker:1" in out
+    ), out[-8000:]
+    # The blocked worker's header and its stack, where it waits.
+    assert (
+        f"[worker 1] [keras-replicator watchdog] task worker:1 step "
+        f"{BLOCKED_STEP}: no progress for" in out
+    ), out[-8000:]
+    assert "in _block_forever" in out
+    assert "exiting with code 76" in out
+    assert "was ended by the hang watchdog (exit code 76" in out
+    assert "starting all workers again on new ports (restart 1 of 1)" in out
+    for result in results:
+        # The restarted group resumed at the epoch-end backup of epoch 1.
+        assert result["trained"][0] == [1, 0]
+        ref.assert_weights(result, one_device)
+
+
+@pytest.mark.timeout(200)
+def test_with_the_watchdog_off_the_same_run_hangs(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        harness.run_launcher(
+            WORKER,
+            [str(tmp_path / "backup")],
+            num_workers=2,
+            replicas_per_worker=1,
+            env=_blocked_once(tmp_path, "0"),
+            # The watchdog above ends the same run about 20 s after the
+            # block; this one waits 80 s in all.
+            timeout=80,
+            max_restarts=1,
+        )
+    out = info.value.stdout or ""
+    out = out.decode(errors="replace") if isinstance(out, bytes) else out
+    assert (tmp_path / "blocked").exists(), out[-8000:]
+    assert "keras-replicator watchdog" not in out
+    # subprocess.run killed the launcher (SIGKILL): its workers went too.
+    pids = [int((tmp_path / f"pid{i}").read_text()) for i in (0, 1)]
+    assert harness.wait_until_gone(pids) == []
+
+
+@pytest.mark.timeout(400)
+def test_no_false_alarm_for_slow_tracing_validation_and_saves(
+    one_device, tmp_path
+):
+    results = harness.run_workers(
+        WORKER,
+        num_workers=2,
+        replicas_per_worker=1,
+        args=[str(tmp_path / "backup")],
+        env={
+            env_names.HANG_SECONDS: HANG_SECONDS,
+            # Worker 0 only, so worker 1 waits for it in a collective.
+            "PREEMPT_SLOW_TRACE": "30",
+            "PREEMPT_SLOW_SAVE": "30",
+            "PREEMPT_VALIDATE": "1",
+            "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        },
+        timeout=300,
+    )
+    # Both traces (fit's first step, validation's) and the save were slow.
+    assert results[0].output.count("slow trace: 30 s") == 2
+    assert results[0].output.count("slow save: 30 s") == 1
+    for result in results:
+        assert "keras-replicator watchdog" not in result.output, result.output
+        ref.assert_weights(result.result, one_device)

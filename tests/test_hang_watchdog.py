@@ -1,0 +1,230 @@
+"""The hang watchdog in one process, as a notebook on LocalReplicator sees it.
+
+A fire here must not end the test process, so every test makes the
+watchdog take this process for an interactive session: at its timeout it
+prints every thread's stack and the loop raises a `RuntimeError` (what a
+notebook gets). Real worker processes, the exit code and the launcher's
+restart are in `tests/multi_worker/test_hang_watchdog.py`.
+"""
+
+import re
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_replicator as kr
+from keras_replicator._src.core import env
+from keras_replicator._src.training import hang_watchdog
+
+HANG = 2.0
+# Longer than HANG: each of these would be a false alarm if it were timed.
+SLOW = 3.0
+
+
+@pytest.fixture(autouse=True)
+def interactive(monkeypatch):
+    monkeypatch.setattr(hang_watchdog, "interactive", lambda: True)
+
+
+def _model(replicator):
+    keras.utils.set_random_seed(0)
+    with replicator.scope():
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dense(1)]
+        )
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def _data(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+class _BlockAt(keras.callbacks.Callback):
+    """Never returns from the end of batch `batch` (its step is batch + 1)."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            threading.Event().wait()
+
+
+def test_a_stuck_callback_ends_the_fit_with_a_clear_error(capfd):
+    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+    x, y = _data()
+    with pytest.raises(RuntimeError, match="hang watchdog stopped this fit"):
+        model.fit(x, y, batch_size=8, callbacks=[_BlockAt(3)], verbose=0)
+    err = capfd.readouterr().err
+    assert "[keras-replicator watchdog] task local (pid" in err
+    # The warning first, then the header and the stuck thread's stack.
+    assert "s in fit, step 4 (epoch 1); the slowest step so far" in err
+    assert re.search(r" step 4: no progress for \d+ s in fit \(epoch 1\)", err)
+    assert "in on_train_batch_end" in err
+    assert "interrupting the fit loop" in err
+    # The session goes on: the same model trains again.
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_the_error_chains_the_interrupted_traceback():
+    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+    x, y = _data()
+    with pytest.raises(RuntimeError) as info:
+        model.fit(x, y, batch_size=8, callbacks=[_BlockAt(0)], verbose=0)
+    assert isinstance(info.value.__cause__, KeyboardInterrupt)
+    assert f"Received: hang_seconds={HANG:g}" in str(info.value)
+
+
+def test_no_false_alarm_for_a_slow_first_step_saves_and_validation(
+    tmp_path, capfd
+):
+    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+    slept = []
+
+    def slow_once(function, what):
+        def slow(*args, **kwargs):
+            if what not in slept:
+                slept.append(what)
+                time.sleep(SLOW)
+            return function(*args, **kwargs)
+
+        return slow
+
+    # Traced once each: the first step of fit and of its validation.
+    model.train_step = slow_once(model.train_step, "train trace")
+    model.test_step = slow_once(model.test_step, "test trace")
+    save_weights = model.save_weights
+    saves = []
+
+    def slow_save(*args, **kwargs):
+        saves.append(1)
+        save_weights(*args, **kwargs)
+        if len(saves) <= 2:  # the first backup and the first checkpoint
+            time.sleep(SLOW)
+
+    model.save_weights = slow_save
+    x, y = _data()
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        validation_data=_data(16),
+        callbacks=[
+            keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+            keras.callbacks.ModelCheckpoint(
+                str(tmp_path / "ckpt.weights.h5"), save_weights_only=True
+            ),
+        ],
+        verbose=0,
+    )
+    assert slept == ["train trace", "test trace"]
+    assert len(saves) == 4
+    assert "keras-replicator watchdog" not in capfd.readouterr().err
+
+
+def test_evaluate_and_predict_are_watched(capfd):
+    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+    x, y = _data()
+    model.fit(x, y, batch_size=8, verbose=0)
+
+    class BlockTest(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            if batch == 2:
+                threading.Event().wait()
+
+    class BlockPredict(keras.callbacks.Callback):
+        def on_predict_batch_end(self, batch, logs=None):
+            if batch == 2:
+                threading.Event().wait()
+
+    with pytest.raises(RuntimeError, match="stopped this evaluate"):
+        model.evaluate(x, y, batch_size=8, callbacks=[BlockTest()], verbose=0)
+    with pytest.raises(RuntimeError, match="stopped this predict"):
+        model.predict(x, batch_size=8, callbacks=[BlockPredict()], verbose=0)
+    err = capfd.readouterr().err
+    assert re.search(r" step 3: no progress for \d+ s in evaluate", err)
+    assert re.search(r" step 3: no progress for \d+ s in predict", err)
+
+
+def test_replicate_times_each_call_not_the_time_between_calls(capfd):
+    replicator = kr.LocalReplicator(2, hang_seconds=HANG)
+    delay = [0.0]
+
+    def wait(value):
+        time.sleep(delay[0])
+        return value
+
+    def step_fn(batch):
+        return tf.py_function(wait, [tf.reduce_sum(batch)], tf.float32)
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensors(tf.ones([2])).repeat()
+
+    step = replicator.replicate(step_fn, input_fn)
+    step()  # traces
+    step()
+    time.sleep(SLOW)  # the caller's own time between calls
+    step()
+    assert "keras-replicator watchdog" not in capfd.readouterr().err
+    delay[0] = SLOW
+    # Raised when the call returns: Python cannot interrupt TensorFlow.
+    with pytest.raises(RuntimeError, match="stopped this replicate"):
+        step()
+    err = capfd.readouterr().err
+    assert re.search(r" step 4: no progress for \d+ s in replicate", err)
+    delay[0] = 0.0
+    step()  # the step still works
+
+
+def test_off_and_stock_strategies_are_not_watched(monkeypatch):
+    seen = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(list(hang_watchdog._watchdog.frames))
+
+    x, y = _data(16)
+    model = _model(kr.LocalReplicator(2, hang_seconds=0))
+    model.fit(x, y, batch_size=8, callbacks=[Look()], verbose=0)
+    assert [f.seconds for f in seen[-1]] == [None]
+    monkeypatch.setenv(env.HANG_SECONDS, "off")
+    model = _model(kr.LocalReplicator(2))
+    model.fit(x, y, batch_size=8, callbacks=[Look()], verbose=0)
+    assert [f.seconds for f in seen[-1]] == [None]
+    model = _model(tf.distribute.get_strategy())
+    model.fit(x, y, batch_size=8, callbacks=[Look()], verbose=0)
+    assert seen[-1] == []
+
+
+def test_settings_are_validated(monkeypatch):
+    assert hang_watchdog.resolve_seconds() == 600
+    for text, seconds in (("30", 30.0), ("0", None), ("off", None)):
+        monkeypatch.setenv(env.HANG_SECONDS, text)
+        assert hang_watchdog.resolve_seconds() == seconds
+    assert hang_watchdog.resolve_seconds(5) == 5.0
+    assert hang_watchdog.resolve_seconds(0) is None
+    for bad in ("-1", "soon", "inf"):
+        monkeypatch.setenv(env.HANG_SECONDS, bad)
+        with pytest.raises(ValueError, match=f"Received: '{bad}'"):
+            hang_watchdog.resolve_seconds()
+    for bad in (-1, True, float("inf"), "600"):
+        with pytest.raises(ValueError, match=re.escape(f"={bad!r}")):
+            kr.LocalReplicator(2, hang_seconds=bad)
+    assert kr.LocalReplicator(2, hang_seconds=30).hang_seconds == 30
+
+
+def test_the_stall_warning_comes_before_the_timeout():
+    # 60 s, or 10 times the slowest step, at most half the timeout.
+    assert hang_watchdog.warn_seconds(600, 0.1) == 60
+    assert hang_watchdog.warn_seconds(600, 12) == 120
+    assert hang_watchdog.warn_seconds(600, 100) == 300
+    assert hang_watchdog.warn_seconds(20, 0.1) == 10
