@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the worker's name, ends all when one fails (exiting with its "
         "code, or restarting all with --max-restarts) or on Ctrl-C, and "
         "forwards SIGTERM/SIGUSR1 so the workers save and exit 75. "
+        "Workers die with the launcher, however it dies. "
         "Example: keras-replicator launch --workers 2 -- python train.py",
     )
     launch.add_argument("--workers", type=_positive_int, required=True)
@@ -142,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="start every worker again (new ports) after one fails, up to R "
-        "times; scripts resume from their BackupAndRestore backup "
-        "(default 0)",
+        "times, the hang watchdog's exit code 76 included; scripts resume "
+        "from their BackupAndRestore backup (default 0)",
     )
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_launch)
