@@ -478,6 +478,30 @@ def wait_until_gone(pids: Sequence[int], timeout: float = 30) -> list[int]:
         time.sleep(0.1)
 
 
+def execute_cell(client, code: str, timeout: float) -> tuple[dict, str]:
+    """Runs `code` in a Jupyter kernel; its reply and everything it showed.
+
+    Args:
+        client: A started `jupyter_client` kernel client.
+        code: The cell's source.
+        timeout: Seconds to wait for the reply.
+
+    Returns:
+        The reply's content (`status`, and `ename`/`evalue` on error) and
+        the cell's streams and error tracebacks, joined.
+    """
+    outputs = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream":
+            outputs.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            outputs.append("\n".join(msg["content"]["traceback"]))
+
+    reply = client.execute_interactive(code, timeout=timeout, output_hook=hook)
+    return reply["content"], "".join(outputs)
+
+
 def describe(results: Sequence[WorkerResult], tail: int = 4000) -> str:
     """Every worker's exit code and the end of its output, for errors."""
     parts = []

@@ -13,13 +13,16 @@ under `keras-replicator launch --workers 2 --max-restarts 1`:
   worker;
 - no false alarm: worker 0 takes 30 s to trace its first step and its
   first validation step and 30 s more to write its first backup, each
-  time with worker 1 waiting for it, under a 20 s timeout.
+  time with worker 1 waiting for it, under a 20 s timeout;
+- in a real Jupyter kernel, a `LocalReplicator` fit stuck in a callback
+  ends with a `RuntimeError` and the kernel trains again after it.
 """
 
 import os
 import subprocess
 
 import pytest
+from jupyter_client.manager import KernelManager
 
 from keras_replicator._src.core import env as env_names
 from tests.multi_worker import harness
@@ -132,3 +135,60 @@ def test_no_false_alarm_for_slow_tracing_validation_and_saves(
     for result in results:
         assert "keras-replicator watchdog" not in result.output, result.output
         ref.assert_weights(result.result, one_device)
+
+
+STUCK_CELL = """
+import threading
+import keras
+import numpy as np
+import keras_replicator as kr
+
+replicator = kr.LocalReplicator(2, hang_seconds=5)
+with replicator.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.ones((64, 4), "float32")
+
+class Stuck(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            threading.Event().wait()
+
+model.fit(x, x[:, :1], batch_size=8, callbacks=[Stuck()], verbose=0)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_in_a_notebook_kernel_the_stuck_fit_raises_and_the_kernel_lives(
+    tmp_path,
+):
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=str(harness.REPO_ROOT),
+    )
+    env.pop("TF_CONFIG", None)
+    env.pop(env_names.HANG_SECONDS, None)
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(env=env, cwd=str(tmp_path))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        reply, output = harness.execute_cell(client, STUCK_CELL, timeout=150)
+        assert reply["status"] == "error", output
+        assert reply["ename"] == "RuntimeError", output
+        assert "hang watchdog stopped this fit" in reply["evalue"]
+        assert "step 4: no progress for" in output, output
+        assert "interrupting the fit loop" in output, output
+        reply, output = harness.execute_cell(
+            client,
+            "model.fit(x, x[:, :1], batch_size=8, verbose=0)\n"
+            "print('trained again')",
+            timeout=60,
+        )
+        assert reply["status"] == "ok", output
+        assert "trained again" in output
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

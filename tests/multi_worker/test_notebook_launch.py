@@ -72,17 +72,7 @@ print("RESULT", json.dumps({
 """
 
 
-def _execute(client, code, timeout):
-    outputs = []
-
-    def hook(msg):
-        if msg["msg_type"] == "stream":
-            outputs.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            outputs.append("\n".join(msg["content"]["traceback"]))
-
-    reply = client.execute_interactive(code, timeout=timeout, output_hook=hook)
-    return reply["content"], "".join(outputs)
+_execute = harness.execute_cell
 
 
 def _result(output):
