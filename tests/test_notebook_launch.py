@@ -36,6 +36,10 @@ def _exit_without_result():
     os._exit(3)
 
 
+def _exit_as_the_hang_watchdog_does():
+    os._exit(76)
+
+
 def _index_and_kwarg(scale, *, offset):
     return _task_index() * scale + offset
 
@@ -97,3 +101,12 @@ def test_a_worker_that_exits_without_a_result_is_named():
         kr.launch(_exit_without_result, workers=2)
     assert "ended without returning a result" in str(info.value)
     assert "Received: exit_code=3" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_ended_by_the_hang_watchdog_is_named():
+    with pytest.raises(
+        RuntimeError, match="The hang watchdog ended it"
+    ) as info:
+        kr.launch(_exit_as_the_hang_watchdog_does, workers=2)
+    assert "Received: exit_code=76" in str(info.value)
