@@ -8,6 +8,7 @@ device's convention; TensorFlow's scaling helpers mean "my share" wherever
 they are called. See `patches/replica_mean.py`.
 """
 
+import functools
 import logging
 
 import keras
@@ -16,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
+from keras_replicator._src.patches import replica_mean
 from tests import helpers
 from tests import tf_tutorials
 
@@ -136,17 +138,24 @@ class MixedStepModel(keras.Sequential):
         return {"loss": loss}
 
 
-def _fit_weights(model_class, strategy=None):
+def _fit(model_class, strategy=None, **optimizer_kwargs):
+    """Weights and logged losses of 2 epochs of `fit`."""
     x, y = _data()
     scope = strategy.scope() if strategy is not None else _null()
     with scope:
         model = model_class(_regularized_mlp())
         model.compile(
-            keras.optimizers.SGD(0.1),
+            keras.optimizers.SGD(0.1, **optimizer_kwargs),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
-    return [np.asarray(w) for w in model.weights]
+    history = model.fit(
+        x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0
+    )
+    return [np.asarray(w) for w in model.weights], history.history["loss"]
+
+
+def _fit_weights(model_class, strategy=None):
+    return _fit(model_class, strategy)[0]
 
 
 class _null:
@@ -157,29 +166,79 @@ class _null:
         return False
 
 
-@pytest.mark.parametrize("model_class", [HelperStepModel, MixedStepModel])
+def _passing_through(method):
+    """A decorator as users write them (logging, timing)."""
+
+    @functools.wraps(method)
+    def wrapper(self, data):
+        return method(self, data)
+
+    return wrapper
+
+
+class DecoratedHelperStepModel(HelperStepModel):
+    train_step = _passing_through(HelperStepModel.train_step)
+
+
+class DecoratedGuideModel(keras.Sequential):
+    """The keras-io guide's step (`compute_loss`), decorated."""
+
+    @_passing_through
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(
+            zip(grads, self.trainable_variables, strict=True)
+        )
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize(
+    "model_class", [HelperStepModel, MixedStepModel, DecoratedHelperStepModel]
+)
 def test_scaling_helpers_in_a_train_step_give_one_device(model_class):
-    expected = _fit_weights(model_class)
-    stock = _fit_weights(model_class, helpers.stock_mirrored())
+    expected, expected_loss = _fit(model_class)
+    stock, _ = _fit(model_class, helpers.stock_mirrored())
     for replicas in (2, 4):
-        ours = _fit_weights(model_class, kr.LocalReplicator(replicas))
+        ours, ours_loss = _fit(model_class, kr.LocalReplicator(replicas))
         for a, e in zip(ours, expected, strict=True):
             np.testing.assert_allclose(a, e, atol=1e-5, rtol=0)
-    # Stock gets these right too: never less correct than stock.
+        # The step logs one device's number too (stock: loss / N).
+        np.testing.assert_allclose(ours_loss, expected_loss, rtol=1e-5)
+    # Stock gets the weights right too: never less correct than stock.
     for a, e in zip(stock, expected, strict=True):
         np.testing.assert_allclose(a, e, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_a_decorated_train_step_is_a_keras_step(accumulation):
+    # However `train_step` is written, a step Keras starts averages.
+    expected, expected_loss = _fit(
+        DecoratedGuideModel, gradient_accumulation_steps=accumulation
+    )
+    ours, ours_loss = _fit(
+        DecoratedGuideModel,
+        kr.LocalReplicator(2),
+        gradient_accumulation_steps=accumulation,
+    )
+    for a, e in zip(ours, expected, strict=True):
+        np.testing.assert_allclose(a, e, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours_loss, expected_loss, rtol=1e-5)
 
 
 # --- A loop whose convention the design cannot see --------------------------
 
 
-def _run_loop(strategy, loss_kind, wrap=False, steps=3):
-    """A `strategy.run` loop with a plain per-replica loss, no helper."""
+def _run_loop(strategy, loss_kind, wrap=False, steps=3, optimizer=None):
+    """A `strategy.run` loop; `loss_kind` says how its loss is scaled."""
     x, y = _data()
     with strategy.scope() if strategy is not None else _null():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
-        optimizer = keras.optimizers.SGD(0.1)
+        optimizer = (optimizer or keras.optimizers.SGD)(0.1)
         optimizer.build(model.trainable_variables)
         if wrap:
             optimizer = strategy.wrap_optimizer(optimizer)
@@ -193,7 +252,11 @@ def _run_loop(strategy, loss_kind, wrap=False, steps=3):
             per_example = keras.losses.sparse_categorical_crossentropy(
                 yb, model(xb), from_logits=True
             )
-            if loss_kind == "by_global_batch":
+            if loss_kind == "helper":
+                loss = tf.nn.compute_average_loss(
+                    per_example, global_batch_size=GLOBAL_BATCH
+                )
+            elif loss_kind == "by_global_batch":
                 # Written for tf.distribute: the share, by hand.
                 loss = tf.reduce_sum(per_example) / GLOBAL_BATCH
             else:
@@ -222,7 +285,17 @@ def _close(actual, expected, atol=1e-6):
     )
 
 
-def test_undecidable_loop_follows_tf_distribute_and_says_so(caplog):
+@pytest.fixture
+def fresh_messages():
+    """Forget which optimizer classes were told about the sum."""
+    replica_mean._told.clear()
+    yield
+    replica_mean._told.clear()
+
+
+def test_undecidable_loop_follows_tf_distribute_and_says_so(
+    caplog, fresh_messages
+):
     # A loss divided by the global batch by hand, or a replica's plain mean:
     # nothing in the step tells them apart. `strategy.run` follows
     # tf.distribute (the sum), exactly as stock, and logs why.
@@ -254,6 +327,36 @@ def test_undecidable_loop_follows_tf_distribute_and_says_so(caplog):
         )
     assert _close(mean, one_device)
     assert _close(summed, stock_share, atol=0)
+    assert not [r for r in caplog.records if "SUMMED" in r.getMessage()]
+
+
+def test_accumulation_in_run_sums_the_shares_where_stock_fails():
+    # Stock Keras all-reduces inside the accumulation `tf.cond` and fails
+    # in a graph; the same sum of the shares runs before the update here.
+    def accumulating(learning_rate):
+        return keras.optimizers.SGD(
+            learning_rate, gradient_accumulation_steps=2
+        )
+
+    one_device = _run_loop(None, "helper", optimizer=accumulating)
+    with pytest.raises(RuntimeError, match="merge_call"):
+        _run_loop(helpers.stock_mirrored(), "helper", optimizer=accumulating)
+    ours = _run_loop(kr.LocalReplicator(2), "helper", optimizer=accumulating)
+    assert _close(ours, one_device)
+
+
+def test_loss_scale_optimizer_in_run_with_helpers_is_silent(
+    caplog, fresh_messages
+):
+    def loss_scaled(learning_rate):
+        return keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(learning_rate)
+        )
+
+    stock = _run_loop(helpers.stock_mirrored(), "helper", optimizer=loss_scaled)
+    with caplog.at_level(logging.WARNING, logger="keras_replicator"):
+        ours = _run_loop(kr.LocalReplicator(2), "helper", optimizer=loss_scaled)
+    assert _close(ours, stock, atol=0)
     assert not [r for r in caplog.records if "SUMMED" in r.getMessage()]
 
 

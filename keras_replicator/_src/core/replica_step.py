@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -91,23 +90,39 @@ def mark(fn: Callable[..., Any], api: str) -> Callable[..., Any]:
     return fn
 
 
+def keras_step(step_function: Callable[..., Any]) -> Callable[..., Any]:
+    """`step_function` (a model's train/test step) marked as `KERAS`.
+
+    A plain function that calls it, so that a step Keras starts is known as
+    one however the user wrote it (decorated, a `tf.function`, assigned on
+    the instance).
+    """
+
+    def step(data):
+        return step_function(data)
+
+    return mark(step, KERAS)
+
+
 def api_of(fn: Callable[..., Any]) -> str:
     """The API a function given to `strategy.run` comes from.
 
-    A function marked by `mark` names its own; a Keras model's
-    `train_step`, `test_step` or `predict_step` (bound, possibly wrapped
-    with `functools.wraps`, as Keras' trainer passes it) is `KERAS`;
-    anything else is the user's own `strategy.run`: `TF_DISTRIBUTE`.
+    A function marked by `mark` names its own (Keras' trainer marks its
+    steps, see `keras_step`); a Keras model's `train_step`, `test_step` or
+    `predict_step` given to `run` directly (bound, possibly wrapped with
+    `functools.wraps`) is `KERAS`; anything else is the user's own
+    `strategy.run`: `TF_DISTRIBUTE`.
     """
     marked = getattr(fn, _API_ATTR, None)
     if marked is not None:
         return marked
-    target = inspect.unwrap(fn)
-    owner = getattr(target, "__self__", None)
-    if getattr(target, "__name__", None) in _KERAS_STEPS and _is_keras_model(
-        owner
-    ):
-        return KERAS
+    while fn is not None:
+        owner = getattr(fn, "__self__", None)
+        if getattr(fn, "__name__", None) in _KERAS_STEPS and _is_keras_model(
+            owner
+        ):
+            return KERAS
+        fn = getattr(fn, "__wrapped__", None)
     return TF_DISTRIBUTE
 
 
@@ -125,7 +140,8 @@ def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
     `fn` is converted by AutoGraph exactly as `strategy.run` would have
     converted it; the wrapper itself is not converted. A `tf.function` is
     returned as it is: `MirroredStrategy` runs the replicas inside it (it
-    must stay a `tf.function` for that), and it has no record.
+    must stay a `tf.function` for that), and it has no record, so its
+    updates follow tf.distribute's convention.
 
     Args:
         fn: The replica function.

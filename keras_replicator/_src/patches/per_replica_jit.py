@@ -50,7 +50,11 @@ normalization, `all_reduce` in a custom step, or another optimizer's
 `apply` gets a `RuntimeError` that says to use `jit_compile=False`.
 
 Every other model, strategy and setting takes Keras' stock `_make_function`
-unchanged. `PATCH.pins` records the exact Keras source lines this relies on;
+unchanged. Composed here, as this patch owns `_make_function`: under our
+in-graph replicators every train and test step is marked as a Keras step
+(`core/replica_step.keras_step`), which decides its gradient convention.
+
+`PATCH.pins` records the exact Keras source lines this relies on;
 `tests/test_patches.py` fails when a Keras upgrade changes them.
 """
 
@@ -62,6 +66,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
+from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
 
@@ -105,6 +110,12 @@ _MISSING = object()
 
 
 def _make_function(original, self, step_function):
+    if traits.is_in_graph(self.distribute_strategy):
+        # Every train/test step Keras starts is a Keras step, whatever the
+        # user's `train_step` is (decorated, a tf.function, assigned on the
+        # instance): optimizers in it follow one device's gradient
+        # convention (`patches/replica_mean.py`).
+        step_function = replica_step.keras_step(step_function)
     if not _wants_per_replica_jit(self):
         return original(self, step_function)
     saved = self._jit_compile

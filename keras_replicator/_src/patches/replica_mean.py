@@ -53,19 +53,25 @@ strategy and no strategy run the originals):
    `MirroredStrategy`/`MultiWorkerMirroredStrategy`: Keras divides its
    losses, the gradients are summed. The design cannot see whether such a
    step's loss was a share or a replica's mean when no scaling helper ran,
-   so it follows tf.distribute and logs once that it summed.
+   so it follows tf.distribute and logs once that it summed. Where stock
+   Keras cannot trace the update (gradient accumulation or EMA
+   overwriting in a `tf.function`: a `merge_call` inside a `tf.cond`),
+   the same sum runs once before the update instead.
    `ReplicatedOptimizer` (`wrap_optimizer`) averages, unless the step
    scaled a loss as a share (then it sums).
 3. **TensorFlow's scaling helpers** (`tf.nn.compute_average_loss`,
    `tf.nn.scale_regularization_loss`, and Keras'
    `scale_loss_for_distribution` called by the user's own code) always
-   mean "this loss is my share". Their values are stock; inside a step of
-   one device's convention their gradient is multiplied by the replica
-   count, so the average of the replicas' gradients is the sum of the
-   shares' gradients: one device's update, also when the step adds a share
-   to a Keras loss (a custom `train_step` adding
-   `scale_regularization_loss`). Such a step averages its replicas
-   equally (a share already carries its examples' weight).
+   mean "this loss is my share". In the user's own `strategy.run` their
+   values are stock. Inside a step of one device's convention the share is
+   turned into the replica's own mean (times the replica count): its value
+   in a Keras step, so the step also logs one device's number; only its
+   gradient in a `replicate` step, whose outputs the user reduces. The
+   average of the replicas' gradients is then the sum of the shares': one
+   device's update, also when the step adds a share to a Keras loss (a
+   custom `train_step` adding `scale_regularization_loss`). Such a step
+   averages its replicas equally (a share already carries its examples'
+   weight).
 
 `gradient_reduction=` on the replicator overrides the rule for every
 update: `"mean"` treats every step as one device's (rule 1, also for
@@ -202,13 +208,19 @@ def _share_helper(original, *args, **kwargs):
 def _share(step, value):
     """Notes that `value` is a share of the global loss (rule 3).
 
-    In a step of one device's convention its gradient is multiplied by the
-    replica count, so that averaging the replicas sums the shares.
+    In a step of one device's convention the share becomes the replica's
+    own mean, so that averaging the replicas gives one device's update. In
+    a Keras step its value is multiplied by the replica count: what the
+    step logs is then one device's number too. In a `replicate` step only
+    its gradient is, and the value stays the share the user computed
+    (`reduce="sum"` of it is the global loss, as in tf.distribute).
     """
     step.shares = True
     if not one_device_convention(step):
         return value
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if step.api == replica_step.KERAS:
+        return value * tf.cast(replicas, value.dtype)
 
     @tf.custom_gradient
     def share(x):
@@ -435,6 +447,12 @@ def _apply(original, self, grads, trainable_variables=None):
         # tf.distribute's convention: stock Keras, which sums (rule 2).
         _tell_summed(self, step, ctx)
         shard_state.check_stock_apply(self)
+        if _stock_fails_in_graph(self):
+            # Stock would `merge_call` inside a `tf.cond` and fail: the
+            # same sum of the shares, once, before the update.
+            grads = _scaled_sum(list(grads), ctx, 1.0, None, None)
+            with receiving_reduced(self), _replica_local_updates(self):
+                return original(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
     grads = mean_gradients(list(grads), ctx)
     with receiving_reduced(self), _replica_local_updates(self):
@@ -444,11 +462,31 @@ def _apply(original, self, grads, trainable_variables=None):
         return original(self, grads, trainable_variables)
 
 
+def _stock_fails_in_graph(optimizer) -> bool:
+    """Whether stock Keras cannot trace `optimizer`'s update in a replica.
+
+    Gradient accumulation and EMA overwriting update inside a `tf.cond`,
+    whose stock cross-replica sum is a `merge_call` MirroredStrategy
+    refuses in a graph ("`merge_call` called while defining a new graph").
+    Eagerly, stock works (and accumulates each replica's own gradients).
+    """
+    if tf.executing_eagerly() or hasattr(optimizer, "inner_optimizer"):
+        return False
+    return bool(optimizer.gradient_accumulation_steps) or bool(
+        optimizer.use_ema and optimizer.ema_overwrite_frequency
+    )
+
+
 def _tell_summed(optimizer, step, ctx):
-    """Logs once per optimizer class when a sum may not be what was meant."""
+    """Logs once per optimizer class when a sum may not be what was meant.
+
+    Only for the user's own `strategy.run` step (with a record): an inner
+    optimizer that a `LossScaleOptimizer` applies in a `merge_call` has
+    none, and its wrapper already spoke for the step.
+    """
     if gradient_reduction(ctx.strategy) != "auto":
         return
-    if step is not None and step.shares:
+    if step is None or step.api != replica_step.TF_DISTRIBUTE or step.shares:
         return
     name = type(optimizer).__name__
     with _lock:
