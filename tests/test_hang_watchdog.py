@@ -131,6 +131,37 @@ def test_no_false_alarm_for_a_slow_first_step_saves_and_validation(
     assert "keras-replicator watchdog" not in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["first step", "save"])
+def test_what_is_not_timed_is_bounded_at_five_timeouts(where, tmp_path, capfd):
+    # A first step or a save may wait in a collective for a stuck worker:
+    # untimed, but not forever.
+    model = _model(kr.LocalReplicator(2, hang_seconds=0.5))
+    if where == "first step":
+        train_step = model.train_step
+
+        def slow_trace(data):
+            time.sleep(4)
+            return train_step(data)
+
+        model.train_step = slow_trace
+    else:
+        save_weights = model.save_weights
+
+        def slow_save(*args, **kwargs):
+            save_weights(*args, **kwargs)
+            time.sleep(4)
+
+        model.save_weights = slow_save
+    x, y = _data(16)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="hang watchdog stopped this fit"):
+        model.fit(x, y, batch_size=8, callbacks=[backup], verbose=0)
+    what = "its first step" if where == "first step" else "a checkpoint save"
+    assert f"in {what}, which is given 5 times the timeout" in (
+        capfd.readouterr().err
+    )
+
+
 def test_evaluate_and_predict_are_watched(capfd):
     model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
     x, y = _data()

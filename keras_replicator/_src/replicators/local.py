@@ -53,8 +53,8 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
             `replicate` call, the process prints every thread's stack and
             exits with code 76 (in a notebook: the loop raises a
             `RuntimeError`). The first step of a loop and checkpoint saves
-            are not timed. 0 turns it off. Defaults to None:
-            `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
+            are not timed, up to 5 times the timeout. 0 turns it off.
+            Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
         shard_optimizer_state: If True, each replica keeps 1/N of every
             per-weight optimizer variable (ZeRO stage 1) instead of a full
             copy; checkpoints still hold the full state. Supports `SGD`,

@@ -70,8 +70,9 @@ class MultiWorkerReplicator(
             `replicate` call, the worker prints every thread's stack and
             exits with code 76, which `keras-replicator launch
             --max-restarts` restarts. The first step of a loop and
-            checkpoint saves (this worker's or another's) are not timed; a
-            stall warning names the workers behind. 0 turns it off.
+            checkpoint saves (this worker's or another's) are not timed,
+            up to 5 times the timeout; a stall warning names the workers
+            behind. 0 turns it off.
             Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
         shard_optimizer_state: If True, each replica keeps 1/N of every
             per-weight optimizer variable (ZeRO stage 1); checkpoints hold

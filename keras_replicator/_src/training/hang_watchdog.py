@@ -10,13 +10,15 @@ per process (started by the first such loop) watches for progress:
 - Progress is a batch end whose callbacks returned (Keras' loops), or a
   `replicate` step call that returned. The time between two step calls
   is the caller's own code and is not timed.
-- Not timed: the first step of every loop (tracing and compiling it, up to
-  its callbacks, which are timed), the saves of `BackupAndRestore` and
-  `ModelCheckpoint`, and, on several
-  workers, the time another worker spends in such a save: each worker
-  publishes its saves in TensorFlow's coordination-service key-value store
-  (from this thread, never from the loop), and a worker that waits reads
-  them before it warns or ends.
+- Not timed, up to `UNTIMED_FACTOR` (5) times the timeout: the first
+  step of every loop (tracing and compiling it, up to its callbacks, which
+  are timed), the saves of `BackupAndRestore` and `ModelCheckpoint`, and,
+  on several workers, the time another worker spends in such a save: each
+  worker publishes its saves in TensorFlow's coordination-service
+  key-value store (from this thread, never from the loop), and a worker
+  that waits reads them before it warns or ends. The bound keeps "nothing
+  hangs forever": a save can itself wait in a collective for the worker
+  that is stuck.
 - After `warn_seconds` without progress (the smaller of half the timeout
   and the larger of 60 s and 10 times the slowest step so far), a stall
   warning names this task and its step and, on several workers, the step
@@ -73,6 +75,10 @@ _READ_SECONDS = 3.0
 # A notebook loop still stuck this long after its interrupt is stuck
 # inside TensorFlow, which no Python exception can reach.
 _INTERRUPT_NOTE_SECONDS = 30.0
+# What is not timed (a first step, a save, another worker's save) is
+# bounded at this many timeouts: a save can wait forever in a collective
+# for a stuck worker, and the stuck one must not wait for that save.
+UNTIMED_FACTOR = 5
 _KEY_PREFIX = "keras_replicator/watchdog/"
 _OFF = ("0", "off", "none", "")
 
@@ -161,6 +167,7 @@ class _Frame:
         self.thread = threading.get_ident()
         self.warned = False
         self.fired: float | None = None
+        self.fired_after = 0.0
         self.noted = False
 
     def position(self, step: bool = True) -> str:
@@ -238,6 +245,8 @@ class _Watchdog:
     def __init__(self):
         self.frames: list[_Frame] = []
         self.paused = 0
+        self.paused_since = 0.0
+        self.paused_wall = 0.0
         self.resumed_wall = 0.0
         # A pause began or ended: the thread publishes it.
         self.dirty = False
@@ -302,6 +311,7 @@ class _Watchdog:
             "kind": frame.kind,
             "step": frame.steps + 1,
             "paused": self.paused > 0,
+            "paused_since": self.paused_wall,
             "resumed": self.resumed_wall,
             "time": time.time(),
         }
@@ -317,9 +327,18 @@ class _Watchdog:
         if frame.fired is not None:
             self._note_stuck(frame)
             return
-        if frame.seconds is None or not frame.armed or self.paused:
+        if frame.seconds is None:
             return
-        idle = time.monotonic() - frame.last
+        now = time.monotonic()
+        untimed = UNTIMED_FACTOR * frame.seconds
+        if self.paused or not frame.armed:
+            # A save or the first step: bounded at `untimed` only.
+            since = self.paused_since if self.paused else frame.last
+            if now - since >= untimed:
+                what = "a checkpoint save" if self.paused else "its first step"
+                self._fire(frame, now - since, {}, what)
+            return
+        idle = now - frame.last
         warn_after = warn_seconds(frame.seconds, frame.slowest)
         if idle < warn_after:
             return
@@ -327,7 +346,7 @@ class _Watchdog:
         if frame.cluster is not None:
             frame.cluster.publish(self._state(frame))
             peers = frame.cluster.read()
-            since = _peer_progress(peers, idle)
+            since = _peer_progress(peers, idle, untimed)
             if since is not None:
                 # Another worker saves, or saved since this one's last
                 # step: it is what this one waits for.
@@ -350,14 +369,21 @@ class _Watchdog:
                 f"{frame.seconds:g}) and prints every thread's stack."
             )
 
-    def _fire(self, frame: _Frame, idle: float, peers) -> None:
+    def _fire(self, frame: _Frame, idle: float, peers, what=None) -> None:
         frame.fired = time.monotonic()
+        frame.fired_after = idle
         in_session = interactive()
+        where = ""
+        if what is not None:
+            where = (
+                f", in {what}, which is given {UNTIMED_FACTOR} times the "
+                "timeout"
+            )
         _print(
             f"{HEADER} task {frame.task} step {frame.steps + 1}: no "
-            f"progress for {idle:.0f} s in {frame.position(step=False)} "
-            f"({env.HANG_SECONDS}={frame.seconds:g}); this process is "
-            f"stuck.{_steps_text(frame, peers, idle)} Every thread's "
+            f"progress for {idle:.0f} s in {frame.position(step=False)}"
+            f"{where} ({env.HANG_SECONDS}={frame.seconds:g}); this process "
+            f"is stuck.{_steps_text(frame, peers, idle)} Every thread's "
             "Python stack follows (the loop's thread is where it waits)."
         )
         _dump_stacks()
@@ -405,15 +431,21 @@ def _fresh(state: dict | None, idle: float) -> bool:
     return bool(state) and state.get("time", 0) >= time.time() - idle
 
 
-def _peer_progress(peers, idle: float) -> float | None:
-    """Seconds since another worker last was in a save, if within `idle`."""
+def _peer_progress(peers, idle: float, untimed: float) -> float | None:
+    """Seconds since another worker last was in a save, if within `idle`.
+
+    A save that has lasted `untimed` seconds no longer counts: it may wait
+    for this very worker.
+    """
     now = time.time()
     since = None
     for state in peers.values():
         if not state:
             continue
         if state.get("paused"):
-            return 0.0
+            if now - state.get("paused_since", now) < untimed:
+                return 0.0
+            continue
         ago = now - state.get("resumed", 0)
         if ago < idle and (since is None or ago < since):
             since = ago
@@ -475,7 +507,7 @@ def _converted(frame: _Frame, error: BaseException | None) -> None:
         return
     raise RuntimeError(
         f"The hang watchdog stopped this {frame.kind}: no progress for "
-        f"{frame.seconds:g} s at step {frame.steps + 1} "
+        f"{frame.fired_after:.0f} s at step {frame.steps + 1} "
         f"({env.HANG_SECONDS}={frame.seconds:g}). Every thread's stack is "
         "printed above; the interrupted thread's traceback is the cause "
         "below. Fix the hang, or raise the timeout if steps legitimately "
@@ -589,6 +621,9 @@ class paused:  # noqa: N801 - used as a function, like contextlib's
     """Stops the clock for a save; other workers learn of it."""
 
     def __enter__(self):
+        if not _watchdog.paused:
+            _watchdog.paused_since = time.monotonic()
+            _watchdog.paused_wall = time.time()
         _watchdog.paused += 1
         _watchdog.dirty = True
         _watchdog.wake.set()
