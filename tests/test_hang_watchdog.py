@@ -70,7 +70,7 @@ def test_a_stuck_callback_ends_the_fit_with_a_clear_error(capfd):
     assert re.search(r" step 4: no progress for \d+ s in fit \(epoch 1\)", err)
     assert "in on_train_batch_end" in err
     assert "interrupting the fit loop" in err
-    # The session goes on: the same model trains again.
+    # The process goes on: the same model trains again.
     model.fit(x, y, batch_size=8, verbose=0)
 
 

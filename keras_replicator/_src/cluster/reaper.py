@@ -2,14 +2,15 @@
 
 `keras-replicator launch` and `kr.launch` start every worker in its own
 process group, so that a Ctrl-C reaches the launcher only and ending a
-worker ends what it started. A launcher killed with SIGKILL (or crashing)
-runs no code to end them, and they would train on as orphans. So every
-launch first starts this small watcher: a child process, in a session of
-its own, that reads a pipe from the launcher. The launcher names on it the
-process groups it starts (`+pid`) and those it has ended (`-pid`), and
-says `exit` before it closes the pipe. When the pipe reaches end-of-file
-without `exit`, the launcher is gone, whatever killed it: the watcher
-kills every group still named with SIGKILL, at once, and exits.
+worker ends what it started. A launcher killed with SIGKILL (or
+crashing) runs no code to end them, and they would train on as orphans.
+So every launch first starts this small watcher: a child process, in a
+process group of its own (setsid), that reads a pipe from the launcher.
+The launcher names on it the process groups it starts (`+pid`) and those
+it has ended (`-pid`), and says `exit` before it closes the pipe. When
+the pipe reaches end-of-file without `exit`, the launcher is gone,
+whatever killed it: the watcher kills every group still named with
+SIGKILL, at once, and exits.
 
 The watcher is this file run as a script (`python -I -S`): stdlib only, no
 TensorFlow import, about 20 ms to start. It covers the worker's whole
@@ -44,7 +45,7 @@ class Reaper:
             [sys.executable, "-I", "-S", os.path.abspath(__file__)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
-            # Its own session: signals to the launcher's process group
+            # Its own process group (setsid): signals to the launcher's group
             # (Ctrl-C, `kill -- -pgid`) do not reach it.
             start_new_session=True,
         )

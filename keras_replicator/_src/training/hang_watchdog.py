@@ -30,7 +30,7 @@ per process (started by the first such loop) watches for progress:
   Python stack (`faulthandler`), and exits with `EXIT_CODE` (76), which
   restart policies (`launch --max-restarts`, Kubernetes, Slurm) take as
   "start again": training resumes from its backup. In an interactive
-  session (a notebook kernel, `python -i`) it prints the same, then
+  process (a notebook kernel, `python -i`) it prints the same, then
   interrupts the loop's thread, and the loop raises a `RuntimeError`; the
   kernel lives on.
 
@@ -137,7 +137,7 @@ def check_setting(name: str, value: Any) -> None:
 
 
 def interactive() -> bool:
-    """Whether this process is an interactive session (a notebook kernel).
+    """Whether this process is interactive (a notebook kernel, `python -i`).
 
     There the watchdog raises an error in the loop instead of ending the
     process.
@@ -390,7 +390,7 @@ class _Watchdog:
         if in_session:
             _print(
                 f"{HEADER} task {frame.task}: interrupting the {frame.kind} "
-                "loop, which raises a RuntimeError; this session goes on."
+                "loop, which raises a RuntimeError; this process goes on."
             )
             _interrupt(frame.thread)
             return
