@@ -10,6 +10,7 @@ call costs one host round trip.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -61,15 +62,6 @@ class ReplicatedStep:
         # Each call is timed by the hang watchdog; the time between calls
         # is the caller's.
         self._watch = hang_watchdog.StepWatch(strategy)
-
-        def replica_fn(batch):
-            return self._replica_step(batch)
-
-        # Optimizers in `step_fn` follow one device's gradient convention
-        # (`patches/replica_mean.py`).
-        self._replica_fn = replica_step.mark(
-            replica_fn, replica_step.REPLICATOR
-        )
 
     def __call__(self) -> TensorTree | list[TensorTree] | None:
         """Advances every replica by `steps_per_call` steps.
@@ -143,6 +135,19 @@ class ReplicatedStep:
             ),
             per_replica,
         )
+
+    @functools.cached_property
+    def _replica_fn(self):
+        """`_replica_step`, marked as a TF-Replicator step for `run`.
+
+        Optimizers in `step_fn` follow one device's gradient convention
+        (`patches/replica_mean.py`).
+        """
+
+        def replica_fn(batch):
+            return self._replica_step(batch)
+
+        return replica_step.mark(replica_fn, replica_step.REPLICATOR)
 
     def _replica_step(self, batch):
         """One replica's `step_fn`, with outputs ready to be reduced."""
