@@ -48,8 +48,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -476,6 +478,35 @@ def wait_until_gone(pids: Sequence[int], timeout: float = 30) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+@contextmanager
+def jupyter_kernel(cwd, unset: Sequence[str] = ("TF_CONFIG",)) -> Iterator:
+    """A real Jupyter kernel in `cwd` that imports this repository.
+
+    Args:
+        cwd: The kernel's working directory.
+        unset: Environment variables the kernel must not inherit.
+
+    Yields:
+        `(manager, client)`: the `KernelManager` (to interrupt the kernel)
+        and a ready client with its channels started.
+    """
+    from jupyter_client.manager import KernelManager
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO_ROOT))
+    for name in unset:
+        env.pop(name, None)
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(env=env, cwd=str(cwd))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        yield manager, client
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
 
 
 def execute_cell(client, code: str, timeout: float) -> tuple[dict, str]:

@@ -22,7 +22,6 @@ import os
 import subprocess
 
 import pytest
-from jupyter_client.manager import KernelManager
 
 from keras_replicator._src.core import env as env_names
 from tests.multi_worker import harness
@@ -162,19 +161,8 @@ model.fit(x, x[:, :1], batch_size=8, callbacks=[Stuck()], verbose=0)
 def test_in_a_notebook_kernel_the_stuck_fit_raises_and_the_kernel_lives(
     tmp_path,
 ):
-    env = dict(
-        os.environ,
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=str(harness.REPO_ROOT),
-    )
-    env.pop("TF_CONFIG", None)
-    env.pop(env_names.HANG_SECONDS, None)
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel(env=env, cwd=str(tmp_path))
-    client = manager.client()
-    client.start_channels()
-    try:
-        client.wait_for_ready(timeout=60)
+    unset = ("TF_CONFIG", env_names.HANG_SECONDS)
+    with harness.jupyter_kernel(tmp_path, unset) as (_, client):
         reply, output = harness.execute_cell(client, STUCK_CELL, timeout=150)
         assert reply["status"] == "error", output
         assert reply["ename"] == "RuntimeError", output
@@ -189,6 +177,3 @@ def test_in_a_notebook_kernel_the_stuck_fit_raises_and_the_kernel_lives(
         )
         assert reply["status"] == "ok", output
         assert "trained again" in output
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)

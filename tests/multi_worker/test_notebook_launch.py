@@ -11,7 +11,6 @@ import os
 import time
 
 import pytest
-from jupyter_client.manager import KernelManager
 
 from tests.multi_worker import harness
 
@@ -91,18 +90,7 @@ def _alive(pid):
 
 @pytest.mark.timeout(420)
 def test_launch_from_a_kernel_runs_twice_and_interrupt_ends_workers(tmp_path):
-    env = dict(
-        os.environ,
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=str(harness.REPO_ROOT),
-    )
-    env.pop("TF_CONFIG", None)
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel(env=env, cwd=str(tmp_path))
-    client = manager.client()
-    client.start_channels()
-    try:
-        client.wait_for_ready(timeout=60)
+    with harness.jupyter_kernel(tmp_path) as (manager, client):
         reply, output = _execute(client, DEFINE, timeout=60)
         assert reply["status"] == "ok", output
         for run in range(2):
@@ -137,6 +125,3 @@ def test_launch_from_a_kernel_runs_twice_and_interrupt_ends_workers(tmp_path):
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt"
         assert not [pid for pid in pids if _alive(pid)]
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
