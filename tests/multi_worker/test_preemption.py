@@ -108,7 +108,10 @@ def test_sigterm_to_a_worker_then_to_the_launcher_resumes_exactly(
         "worker 0 was preempted" in first.output()
     )
     saved = ref.backup_step(backup)
-    assert 10 <= saved <= 14 and saved % ref.STEPS_PER_EPOCH, saved
+    # Mid-way through the second epoch. Workers agree on the stop about
+    # once a second, so on a loaded machine it lands up to 5 slow steps
+    # after the signal (a CI run saved at 15).
+    assert 10 <= saved < 2 * ref.STEPS_PER_EPOCH, saved
 
     # 2. The same command resumes there; SIGTERM to the launcher.
     second = _start(
@@ -128,7 +131,7 @@ def test_sigterm_to_a_worker_then_to_the_launcher_resumes_exactly(
         trained = second.result(index)["trained"]
         assert ref.step_of(trained[0]) == saved, trained
     resaved = ref.backup_step(backup)
-    assert 18 <= resaved <= 22 and resaved % ref.STEPS_PER_EPOCH, resaved
+    assert 18 <= resaved < 3 * ref.STEPS_PER_EPOCH, resaved
     assert ref.step_of(trained[-1]) + 1 in (resaved, resaved + 1)
 
     # 3. The same command trains only the rest, to the uninterrupted weights.
