@@ -21,6 +21,19 @@ OPTIMIZERS = {
     "rmsprop": lambda **kw: keras.optimizers.RMSprop(0.01, **kw),
 }
 
+# Further element-by-element optimizers: compared with one device locally.
+MORE_OPTIMIZERS = {
+    "adam_amsgrad": lambda **kw: keras.optimizers.Adam(0.01, amsgrad=True),
+    "adagrad": lambda **kw: keras.optimizers.Adagrad(0.05),
+    "adadelta": lambda **kw: keras.optimizers.Adadelta(1.0),
+    "adamax": lambda **kw: keras.optimizers.Adamax(0.01),
+    "nadam": lambda **kw: keras.optimizers.Nadam(0.01),
+    "ftrl": lambda **kw: keras.optimizers.Ftrl(
+        0.05, l2_shrinkage_regularization_strength=0.01
+    ),
+    "lion": lambda **kw: keras.optimizers.Lion(0.001, weight_decay=0.1),
+}
+
 
 # name -> (optimizer, options): what the 2-worker test trains
 # (tests/multi_worker/test_shard_state.py).
@@ -29,6 +42,9 @@ MULTI_WORKER_CASES = {
     "adam_global_clipnorm": ("adam", {"opt": {"global_clipnorm": 0.05}}),
     "adam_accumulation": ("adam", {"opt": {"gradient_accumulation_steps": 2}}),
     "adam_steps_per_execution": ("adam", {"steps_per_execution": 3}),
+    "adam_clipnorm": ("adam", {"opt": {"clipnorm": 0.05}}),
+    "adam_clipvalue": ("adam", {"opt": {"clipvalue": 0.01}}),
+    "adam_jit_compile": ("adam", {"jit_compile": True}),
 }
 
 
@@ -39,7 +55,9 @@ def _data():
     return x, y
 
 
-def _model(strategy, optimizer_fn, opt=None, **compile_kwargs):
+def _model(
+    strategy, optimizer_fn, opt=None, kernel_constraint=None, **compile_kwargs
+):
     keras.utils.set_random_seed(1)
     scope = strategy.scope() if strategy else tf.device("CPU:0")
     with scope:
@@ -49,7 +67,9 @@ def _model(strategy, optimizer_fn, opt=None, **compile_kwargs):
         model = keras.Sequential(
             [
                 keras.Input((8,)),
-                keras.layers.Dense(7, activation="relu"),
+                keras.layers.Dense(
+                    7, activation="relu", kernel_constraint=kernel_constraint
+                ),
                 keras.layers.Dense(3),
             ]
         )
@@ -84,9 +104,20 @@ def test_sharded_equals_one_device(name, replicas):
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
 
 
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("name", sorted(MORE_OPTIMIZERS))
+def test_more_optimizers_equal_one_device(name, replicas):
+    reference = _train(None, MORE_OPTIMIZERS[name])
+    model = _train(_sharded(replicas), MORE_OPTIMIZERS[name])
+    helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
 @pytest.mark.parametrize(
     "options",
     [
+        # A constraint acts on the whole gathered weight, not a shard: the
+        # max-norm of a column spans every replica's shard.
+        {"kernel_constraint": keras.constraints.MaxNorm(0.3)},
         {"opt": {"clipnorm": 0.05}},
         {"opt": {"global_clipnorm": 0.05}},
         {"opt": {"clipvalue": 0.01}},
@@ -95,6 +126,7 @@ def test_sharded_equals_one_device(name, replicas):
         {"jit_compile": True},
     ],
     ids=[
+        "max_norm_constraint",
         "clipnorm",
         "global_clipnorm",
         "clipvalue",

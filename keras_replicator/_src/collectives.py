@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops
 from tensorflow.python.distribute import values as tf_values
 
 
@@ -56,47 +57,50 @@ def all_reduce(
     return out
 
 
-def all_gather_flat(
-    ctx: tf.distribute.ReplicaContext, shards: Sequence[tf.Tensor]
-) -> list[tf.Tensor]:
-    """All-gathers flat shards in a replica context, one collective per dtype.
+def all_gather_equal(
+    ctx: tf.distribute.ReplicaContext, shard: tf.Tensor
+) -> tf.Tensor:
+    """All-gathers a rank-1 shard of the same length on every replica.
 
-    Replica `r` passes its shard of each value; every replica gets each
-    value's shards concatenated in replica order. The shards of one dtype
-    travel as one vector (`ReplicaContext.all_gather`).
+    Replica `r` passes its shard; every replica gets the shards
+    concatenated in replica order. The shard lengths are equal and static,
+    so in a graph this is ONE `CollectiveGatherV2` issued by the strategy's
+    own launcher for this replica (its group, instance keys and ordering
+    token). `ReplicaContext.all_gather` would allow unequal lengths: it
+    first gathers the shapes, pads, and concatenates the unpadded pieces
+    into a second full-size buffer. Eagerly, or under a strategy without
+    collective launchers, it falls back to `ReplicaContext.all_gather`.
 
     Args:
         ctx: The replica context (inside `strategy.run`).
-        shards: Rank-1 tensors with static lengths, the same on every
+        shard: A rank-1 tensor with a static length, the same on every
             replica.
 
     Returns:
-        For each shard, a rank-1 tensor of `num_replicas_in_sync` times
-        its length, in the order of `shards`.
+        A rank-1 tensor of `num_replicas_in_sync` times the shard's length.
     """
-    groups: dict[str, list[int]] = {}
-    for i, s in enumerate(shards):
-        groups.setdefault(s.dtype.name, []).append(i)
-    n = ctx.num_replicas_in_sync
-    out: list = [None] * len(shards)
-    for dtype in sorted(groups):
-        indices = groups[dtype]
-        if len(indices) == 1:
-            # Nothing to unpack: the gathered vector is the value's shards
-            # in replica order, with no copy.
-            out[indices[0]] = ctx.all_gather(shards[indices[0]], axis=0)
-            continue
-        lengths = [shards[i].shape[0] for i in indices]
-        packed = tf.concat([shards[i] for i in indices], axis=0)
-        gathered = ctx.all_gather(packed, axis=0)
-        # Row r is replica r's pack; the columns of one value, read row by
-        # row, are that value's shards in replica order.
-        rows = tf.reshape(gathered, [n, sum(lengths)])
-        for i, column in zip(
-            indices, tf.split(rows, lengths, axis=1), strict=True
-        ):
-            out[i] = tf.reshape(column, [-1])
-    return out
+    launcher = _launcher(ctx)
+    if launcher is None:
+        return ctx.all_gather(shard, axis=0)
+    with tf.name_scope("allgather"):
+        return launcher._all_gather(shard, None)
+
+
+def _launcher(ctx):
+    """This replica's `CollectiveReplicaLauncher`, or None where unusable."""
+    if tf.executing_eagerly():
+        # Eager replicas run one after another: a collective issued outside
+        # `merge_call` would wait for the others forever.
+        return None
+    extended = ctx.strategy.extended
+    # MirroredStrategy keeps its collectives in `_collective_ops` even when
+    # it reduces with other cross-device ops; the multi-worker strategy in
+    # `_cross_device_ops`.
+    for name in ("_collective_ops", "_cross_device_ops"):
+        ops = getattr(extended, name, None)
+        if isinstance(ops, cross_device_ops.CollectiveAllReduce):
+            return ops._launchers[ctx._replica_id]
+    return None
 
 
 def reduce_scalars(

@@ -454,9 +454,12 @@ def _apply(original, self, grads, trainable_variables=None):
             with receiving_reduced(self), _replica_local_updates(self):
                 return original(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
-    grads = mean_gradients(list(grads), ctx)
+    sharded = shard_state.is_sharded(self)
+    # Sharded state saves memory: its gradients are not packed either.
+    options = shard_state.GRADIENT_OPTIONS if sharded else None
+    grads = mean_gradients(list(grads), ctx, options=options)
     with receiving_reduced(self), _replica_local_updates(self):
-        if shard_state.is_sharded(self):
+        if sharded:
             # Opt-in ZeRO-1: update this replica's slice, gather weights.
             return shard_state.apply(original, self, grads, trainable_variables)
         return original(self, grads, trainable_variables)

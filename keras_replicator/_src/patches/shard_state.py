@@ -21,16 +21,24 @@ gradients already averaged once as in every Keras step):
    `update_step`, weight decay, learning-rate schedules and gradient
    accumulation all act element by element, so a slice is updated exactly
    as the same elements are on one device.
-3. One all-gather per dtype (`collectives.all_gather_flat`) assembles the
-   updated weights; each replica assigns its own copy (no `merge_call`).
-   (One all-gather per variable, each after the previous assignment,
-   saved less peak memory in `benchmarks/memory.py`: about 50 MB against
-   about 100 MB at 4 replicas.)
+3. One all-gather per variable (`collectives.all_gather_equal`), each
+   after the previous variable's assignment, assembles the updated
+   weights; each replica assigns its own copy (no `merge_call`). The
+   gathered buffer becomes the variable's value, and a replica holds one
+   gathered variable at a time. (One packed gather per dtype, as before
+   this layout, needed the pack, the gathered pack and the split-out
+   variables at once: in `benchmarks/memory.py` at 4 replicas, peak RSS
+   fell from about 1340 MB to about 1160 MB with this and the unpacked
+   all-reduce below.)
 
-The reduce-scatter of the gradients is EMULATED: the gradients are
-all-reduced in full (as without sharding) and each replica slices its
-part. Memory is saved on the optimizer state, not on the gradients; the
-wire carries one all-reduce plus one all-gather of the weights per step.
+The reduce-scatter of the gradients is EMULATED: each gradient is
+all-reduced in full and in place (as without sharding, but one
+collective per gradient instead of one pack), and each replica slices its
+part. TensorFlow's `CollectiveReduceScatterV2` has no CPU implementation
+(on TensorFlow 2.21 it fails with "did not find collective implementation
+undef"); NCCL implements it on GPUs, but that path cannot be tested here,
+so it is not used. The wire carries the all-reduce plus one all-gather of
+the weights per step.
 
 Checkpoints hold the full, unsharded state: `save_own_variables` (used by
 `model.save_weights`, `model.save`, `ModelCheckpoint` and
@@ -55,9 +63,15 @@ import numpy as np
 import tensorflow as tf
 from keras.src import backend
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from keras.src.optimizers import adadelta
+from keras.src.optimizers import adagrad
 from keras.src.optimizers import adam
+from keras.src.optimizers import adamax
 from keras.src.optimizers import adamw
 from keras.src.optimizers import base_optimizer
+from keras.src.optimizers import ftrl
+from keras.src.optimizers import lion
+from keras.src.optimizers import nadam
 from keras.src.optimizers import rmsprop
 from keras.src.optimizers import sgd
 
@@ -69,7 +83,32 @@ KINDS = frozenset({"local", "multi_worker"})
 # Exact classes whose `update_step` is element by element and that the
 # tests compare with one device. A subclass may override `update_step`, so
 # it is refused too.
-SUPPORTED = (sgd.SGD, adam.Adam, adamw.AdamW, rmsprop.RMSprop)
+# Their per-weight state comes from `add_variable_from_reference`; other
+# state (Nadam's `u_product`, the iteration count) is one scalar, the same
+# on every replica. `Lamb` (a trust ratio per variable), `Muon`
+# (orthogonalised matrices), `Adafactor` (factored state) and
+# `ScheduleFreeAdamW` (not compared here) are refused.
+SUPPORTED = (
+    sgd.SGD,
+    adam.Adam,
+    adamw.AdamW,
+    rmsprop.RMSprop,
+    adagrad.Adagrad,
+    adadelta.Adadelta,
+    adamax.Adamax,
+    nadam.Nadam,
+    ftrl.Ftrl,
+    lion.Lion,
+)
+
+# The averaged gradients of a sharded optimizer go out one all-reduce per
+# gradient (a pack of at least 1 byte holds one tensor). A single pack
+# would hold a second copy of every gradient in each replica, concatenated,
+# beside the gradients themselves; unpacked, each all-reduce works in place
+# (measured in `benchmarks/memory.py`: the largest part of the peak).
+GRADIENT_OPTIONS = tf.distribute.experimental.CommunicationOptions(
+    bytes_per_pack=1
+)
 
 # optimizer -> its `_Shards`. Kept outside the optimizer so that Keras'
 # attribute tracking does not add the shadows to `optimizer.variables`
@@ -140,7 +179,7 @@ def _check_supported(optimizer):
             "`shard_optimizer_state=True` supports the optimizers "
             f"{names} (their update is element by element and tested); "
             "others, such as `Adafactor` (factored state), `Lamb` "
-            "(per-variable trust ratio), `LossScaleOptimizer` or a "
+            "(per-variable trust ratio), `Muon`, `LossScaleOptimizer` or a "
             "subclass, are not supported. Pass "
             "`shard_optimizer_state=False` to use it. Received: "
             f"optimizer={type(optimizer).__name__}"
@@ -274,16 +313,25 @@ def apply(original, optimizer, grads, trainable_variables):
         shadows.append(shadow)
         grad_slices.append(_shard(g, k, replica_id, n))
     original(optimizer, grad_slices, shadows)
-    gathered = collectives.all_gather_flat(
-        ctx, [tf.convert_to_tensor(s.value) for s in shadows]
-    )
-    for v, full in zip(variables, gathered, strict=True):
+    # One gather per variable, each after the previous variable's
+    # assignment: a replica holds one gathered variable at a time, and
+    # the gathered buffer becomes the variable's (no split, no copy).
+    assigned = []
+    for v, shadow in zip(variables, shadows, strict=True):
+        with tf.control_dependencies(assigned[-1:]):
+            full = collectives.all_gather_equal(
+                ctx, tf.convert_to_tensor(shadow.value)
+            )
         size = int(np.prod(v.shape))
         if full.shape[0] != size:
             full = full[:size]
-        v.assign(tf.reshape(full, v.shape))
+        # Keras' `assign` returns its input; the tf.Variable's op is what
+        # the next gather must wait for.
+        done = v.value.assign(tf.reshape(full, v.shape), read_value=False)
         if v.constraint is not None:
-            v.assign(v.constraint(v))
+            with tf.control_dependencies([done]):
+                done = v.value.assign(v.constraint(v), read_value=False)
+        assigned.append(done)
     return None
 
 
@@ -292,10 +340,9 @@ def _gather_full(strategy, variable, shape, size):
 
     def replica_fn():
         ctx = tf.distribute.get_replica_context()
-        (full,) = collectives.all_gather_flat(
-            ctx, [tf.convert_to_tensor(variable.value)]
+        return collectives.all_gather_equal(
+            ctx, tf.convert_to_tensor(variable.value)
         )
-        return full
 
     # `run` in a tf.function: the gather is one collective per variable.
     gathered = tf.function(lambda: strategy.run(replica_fn))()
