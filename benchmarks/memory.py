@@ -4,11 +4,12 @@ Trains an MLP (Dense widths W, 2W, 2W, W on W inputs; W=1024 gives 8.4M
 parameters) with Adam, global batch 64, under `kr.LocalReplicator(N)` and
 `kr.LocalReplicator(N, shard_optimizer_state=True)` for N = 1, 2, 4, and on
 one device. Each configuration runs in its own process, so its peak RSS
-(`ru_maxrss`) is its own. Prints a table of peak RSS and median step time,
-checks that the sharded 4-replica weights equal one device's (1e-5), and
-then alternates sharded and unsharded 4-replica processes `--pairs` times
-and reports the median per-pair step-time ratio sharded/unsharded (goal
->= 0.9).
+(`ru_maxrss`) is its own. Prints a table of peak RSS, median step time and
+(where TensorFlow's CPU allocator keeps statistics) the peak of live tensor
+bytes, checks that the sharded 4-replica weights equal one device's
+(1e-5), and then alternates sharded and unsharded 4-replica processes
+`--pairs` times and reports the median per-pair step-time ratio
+sharded/unsharded (goal >= 0.9).
 
     python benchmarks/memory.py [--width 1024] [--steps 12] [--pairs 5]
 """
@@ -85,7 +86,16 @@ def _worker(args):
     )
     np.savez(args.out, *model.get_weights())
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_rss_mb": peak_mb, "step_ms": step_ms}))
+    result = {"peak_rss_mb": peak_mb, "step_ms": step_ms}
+    try:
+        # TensorFlow's CPU allocator: bytes held by live tensors (all
+        # replicas' devices share it), now and at the peak of training.
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        result["tensors_mb"] = info["current"] / 2**20
+        result["tensors_peak_mb"] = info["peak"] / 2**20
+    except (ValueError, tf.errors.OpError):
+        pass  # An allocator without statistics.
+    print(json.dumps(result))
 
 
 def _run(width, steps, replicas, sharded, out):
@@ -100,6 +110,16 @@ def _run(width, steps, replicas, sharded, out):
     ] + (["--sharded"] if sharded else [])
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _row(title, result):
+    text = (
+        f"{title:<28} peak RSS {result['peak_rss_mb']:7.0f} MB  "
+        f"step {result['step_ms']:7.1f} ms"
+    )
+    if "tensors_peak_mb" in result:
+        text += f"  tensors peak {result['tensors_peak_mb']:6.0f} MB"
+    return text
 
 
 def _max_difference(a_path, b_path):
@@ -136,10 +156,7 @@ def main():
         return os.path.join(tmp, f"{name}.npz")
 
     reference = _run(w, args.steps, 0, False, out("one_device"))
-    print(
-        f"{'one device':<28} peak RSS {reference['peak_rss_mb']:7.0f} MB  "
-        f"step {reference['step_ms']:7.1f} ms"
-    )
+    print(_row("one device", reference))
     rows = {}
     for replicas in (1, 2, 4):
         for sharded in (False, True):
@@ -148,15 +165,17 @@ def main():
             title = f"LocalReplicator({replicas})" + (
                 " sharded" if sharded else ""
             )
-            print(
-                f"{title:<28} peak RSS {rows[name]['peak_rss_mb']:7.0f} MB  "
-                f"step {rows[name]['step_ms']:7.1f} ms"
-            )
-    saved = (
-        rows["local4_full"]["peak_rss_mb"]
-        - rows["local4_sharded"]["peak_rss_mb"]
-    )
+            print(_row(title, rows[name]))
+    full, sharded = rows["local4_full"], rows["local4_sharded"]
+    saved = full["peak_rss_mb"] - sharded["peak_rss_mb"]
     print(f"peak RSS saved at 4 replicas: {saved:.0f} MB (goal >= 120)")
+    if "tensors_peak_mb" in full:
+        print(
+            "peak live tensors saved at 4 replicas: "
+            f"{full['tensors_peak_mb'] - sharded['tensors_peak_mb']:.0f} MB; "
+            "live after training: "
+            f"{full['tensors_mb'] - sharded['tensors_mb']:.0f} MB"
+        )
     difference = _max_difference(out("local4_sharded"), out("one_device"))
     print(
         "max |weight difference| sharded LocalReplicator(4) vs one device: "
