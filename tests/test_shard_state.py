@@ -104,11 +104,11 @@ def test_sharded_equals_one_device(name, replicas):
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
 
 
-@pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("name", sorted(MORE_OPTIMIZERS))
-def test_more_optimizers_equal_one_device(name, replicas):
+def test_more_optimizers_equal_one_device(name):
+    # 4 replicas: every variable's last shard is padded.
     reference = _train(None, MORE_OPTIMIZERS[name])
-    model = _train(_sharded(replicas), MORE_OPTIMIZERS[name])
+    model = _train(_sharded(4), MORE_OPTIMIZERS[name])
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
 
 
