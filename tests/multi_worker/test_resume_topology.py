@@ -96,9 +96,9 @@ def test_two_workers_preempted_then_resumed_on_four_local_replicas(
     # In the second epoch: usually mid-epoch, sometimes at its end (step
     # 16), which resumes on the new topology too. The workers stop at the
     # next check they agreed on at the previous one, from the step time
-    # then (`training/preemption.py`); steps are fast until the mark and
-    # slow after it, so when the last check before the mark came at step 8
-    # with an interval of 8, the next one is step 16.
+    # then (`training/preemption.py`: intervals double while steps are
+    # fast, 1, 2, 4, 8 steps). Steps are fast until the mark and slow after
+    # it, so the check after the signal can be several slow steps away.
     assert ref.STEPS_PER_EPOCH < saved <= 2 * ref.STEPS_PER_EPOCH, saved
     assert _topology(backup) == {
         "replicator": "MultiWorkerReplicator",
