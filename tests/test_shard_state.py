@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
+from keras_replicator._src import collectives
 from tests import helpers
 
 OPTIMIZERS = {
@@ -316,3 +317,18 @@ def test_replicate_step_equals_one_device():
         step()
     reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
+
+
+@pytest.mark.parametrize(
+    "sizes, expected",
+    [
+        # Kernels (large) alone; biases (small) packed between them.
+        ([8, 1, 16, 1, 8, 1], [[0], [1], [2], [3], [4], [5]]),
+        ([1, 1, 8, 1, 1, 1], [[0, 1], [2], [3, 4, 5]]),
+        ([3, 3, 3], [[0], [1], [2]]),
+        ([2, 2, 1, 4], [[0, 1], [2], [3]]),
+        ([], []),
+    ],
+)
+def test_buckets_keep_large_values_alone(sizes, expected):
+    assert collectives.buckets(sizes, 4) == expected

@@ -29,6 +29,7 @@ def all_reduce(
     op: str,
     values: Sequence[tf.Tensor | None],
     options: tf.distribute.experimental.CommunicationOptions | None = None,
+    bucket_bytes: int | None = None,
 ) -> list[tf.Tensor | None]:
     """All-reduces a flat list in a replica context, one collective per dtype.
 
@@ -38,6 +39,10 @@ def all_reduce(
         values: Tensors; None entries are passed through.
         options: Optional `CommunicationOptions` (e.g. `bytes_per_pack`,
             which lets TensorFlow split a group into packs that overlap).
+        bucket_bytes: If set, each dtype's values go out in `buckets` of
+            this size instead of one pack: a value at least this large
+            alone (reduced in place, no concatenated copy), smaller ones
+            together.
 
     Returns:
         The reduced tensors, in the order of `values`.
@@ -49,12 +54,59 @@ def all_reduce(
     out = list(values)
     for dtype in sorted(groups):
         indices = groups[dtype]
-        reduced = ctx.all_reduce(
-            op.upper(), [values[i] for i in indices], options
-        )
-        for i, r in zip(indices, reduced, strict=True):
-            out[i] = r
+        if bucket_bytes is None:
+            packs = [indices]
+        else:
+            sizes = [_nbytes(values[i]) for i in indices]
+            packs = [
+                [indices[j] for j in bucket]
+                for bucket in buckets(sizes, bucket_bytes)
+            ]
+        for pack in packs:
+            reduced = ctx.all_reduce(
+                op.upper(), [values[i] for i in pack], options
+            )
+            for i, r in zip(pack, reduced, strict=True):
+                out[i] = r
     return out
+
+
+def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Groups positions into buckets of at most about `limit` bytes.
+
+    A value of at least `limit` bytes is a bucket of its own; consecutive
+    smaller ones share a bucket while their total stays within `limit`.
+    The grouping depends on the sizes only, so every replica makes the same
+    buckets in the same order.
+
+    Args:
+        sizes: Byte sizes, in order.
+        limit: The bucket size in bytes (positive).
+
+    Returns:
+        Lists of positions into `sizes`, in order, covering every position.
+    """
+    out: list[list[int]] = []
+    total = limit  # No open bucket.
+    for i, size in enumerate(sizes):
+        if size >= limit:
+            out.append([i])
+            total = limit
+        elif total + size > limit:
+            out.append([i])
+            total = size
+        else:
+            out[-1].append(i)
+            total += size
+    return out
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, tf.IndexedSlices):
+        value = value.values
+    count = value.shape.num_elements()
+    # An unknown shape counts as large: it goes out on its own.
+    return 2**62 if count is None else count * value.dtype.size
 
 
 def all_gather_equal(

@@ -246,7 +246,9 @@ def _called_by_keras() -> bool:
     return False
 
 
-def mean_gradients(grads, ctx=None, wire_dtype=None, options=None):
+def mean_gradients(
+    grads, ctx=None, wire_dtype=None, options=None, bucket_bytes=None
+):
     """Averages `grads` over all replicas, weighted by example counts.
 
     Call it in a replica context. One packed all-reduce (per dtype) carries
@@ -261,6 +263,8 @@ def mean_gradients(grads, ctx=None, wire_dtype=None, options=None):
         wire_dtype: If set, floating gradients wider than 16 bits travel in
             this dtype and are cast back.
         options: Optional `tf.distribute.experimental.CommunicationOptions`.
+        bucket_bytes: If set, `collectives.all_reduce`'s buckets instead of
+            one pack per dtype.
 
     Returns:
         The averaged gradients, in the order and dtypes of `grads`.
@@ -274,12 +278,16 @@ def mean_gradients(grads, ctx=None, wire_dtype=None, options=None):
     if count is None or isinstance(count, int):
         # Every replica has the same number of examples (or none is known):
         # the plain mean, one multiplication per gradient.
-        return _scaled_sum(grads, ctx, 1.0 / replicas, wire_dtype, options)
+        return _scaled_sum(
+            grads, ctx, 1.0 / replicas, wire_dtype, options, bucket_bytes
+        )
     # weight = count / replicas: the common factor keeps the sums as small
     # as the stock ones. The weights travel in the gradients' pack.
     weight = count * (1.0 / replicas)
     sent = [_to_wire(_times(g, weight), wire_dtype) for g in grads]
-    reduced = collectives.all_reduce(ctx, "sum", [*sent, weight], options)
+    reduced = collectives.all_reduce(
+        ctx, "sum", [*sent, weight], options, bucket_bytes
+    )
     inverse = tf.math.reciprocal_no_nan(reduced.pop())
     return [
         None if r is None else _times(_cast(r, g.dtype), inverse)
@@ -316,14 +324,14 @@ def wrapped_gradients(grads, ctx, wire_dtype=None, options=None):
     return mean_gradients(grads, ctx, wire_dtype, options)
 
 
-def _scaled_sum(grads, ctx, scale, wire_dtype, options):
+def _scaled_sum(grads, ctx, scale, wire_dtype, options, bucket_bytes=None):
     """The sum over replicas of `grads` times `scale`, one pack per dtype."""
     if scale != 1.0:
         grads_sent = [_times(g, scale) for g in grads]
     else:
         grads_sent = list(grads)
     sent = [_to_wire(g, wire_dtype) for g in grads_sent]
-    reduced = collectives.all_reduce(ctx, "sum", sent, options)
+    reduced = collectives.all_reduce(ctx, "sum", sent, options, bucket_bytes)
     return [
         None if r is None else _cast(r, g.dtype)
         for r, g in zip(reduced, grads, strict=True)
@@ -455,9 +463,9 @@ def _apply(original, self, grads, trainable_variables=None):
                 return original(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
     sharded = shard_state.is_sharded(self)
-    # Sharded state saves memory: its gradients are not packed either.
-    options = shard_state.GRADIENT_OPTIONS if sharded else None
-    grads = mean_gradients(list(grads), ctx, options=options)
+    # Sharded state saves memory: its large gradients are not packed.
+    bucket_bytes = shard_state.BUCKET_BYTES if sharded else None
+    grads = mean_gradients(list(grads), ctx, bucket_bytes=bucket_bytes)
     with receiving_reduced(self), _replica_local_updates(self):
         if sharded:
             # Opt-in ZeRO-1: update this replica's slice, gather weights.

@@ -21,24 +21,24 @@ gradients already averaged once as in every Keras step):
    `update_step`, weight decay, learning-rate schedules and gradient
    accumulation all act element by element, so a slice is updated exactly
    as the same elements are on one device.
-3. One all-gather per variable (`collectives.all_gather_equal`), each
-   after the previous variable's assignment, assembles the updated
-   weights; each replica assigns its own copy (no `merge_call`). The
-   gathered buffer becomes the variable's value, and a replica holds one
-   gathered variable at a time. (One packed gather per dtype, as before
-   this layout, needed the pack, the gathered pack and the split-out
-   variables at once: in `benchmarks/memory.py` at 4 replicas, peak RSS
-   fell from about 1340 MB to about 1160 MB with this and the unpacked
-   all-reduce below.)
+3. All-gathers (`collectives.all_gather_equal`), in buckets of
+   `BUCKET_BYTES` each after the previous bucket's assignments, assemble
+   the updated weights; each replica assigns its own copy (no
+   `merge_call`). A large variable is a bucket of its own: the gathered
+   buffer becomes the variable's value, with no copy. (One packed gather
+   per dtype, as before this layout, needed the pack, the gathered pack
+   and the split-out variables at once: in `benchmarks/memory.py` at 4
+   replicas, peak RSS fell from about 1340 MB to about 1200 MB with this
+   and the bucketed all-reduce below.)
 
 The reduce-scatter of the gradients is EMULATED: each gradient is
-all-reduced in full and in place (as without sharding, but one
-collective per gradient instead of one pack), and each replica slices its
-part. TensorFlow's `CollectiveReduceScatterV2` has no CPU implementation
-(on TensorFlow 2.21 it fails with "did not find collective implementation
-undef"); NCCL implements it on GPUs, but that path cannot be tested here,
-so it is not used. The wire carries the all-reduce plus one all-gather of
-the weights per step.
+all-reduced in full (as without sharding, but in buckets: a large one
+alone and in place), and each replica slices its part. TensorFlow's
+`CollectiveReduceScatterV2` has no CPU implementation (on TensorFlow 2.21
+it fails with "did not find collective implementation undef"); NCCL
+implements it on GPUs, but that path cannot be tested here, so it is not
+used. The wire carries the all-reduce plus the all-gathers of the weights
+per step.
 
 Checkpoints hold the full, unsharded state: `save_own_variables` (used by
 `model.save_weights`, `model.save`, `ModelCheckpoint` and
@@ -101,14 +101,16 @@ SUPPORTED = (
     lion.Lion,
 )
 
-# The averaged gradients of a sharded optimizer go out one all-reduce per
-# gradient (a pack of at least 1 byte holds one tensor). A single pack
-# would hold a second copy of every gradient in each replica, concatenated,
-# beside the gradients themselves; unpacked, each all-reduce works in place
-# (measured in `benchmarks/memory.py`: the largest part of the peak).
-GRADIENT_OPTIONS = tf.distribute.experimental.CommunicationOptions(
-    bytes_per_pack=1
-)
+# A sharded optimizer's collectives go out in buckets of this many bytes
+# (`collectives.buckets`): a gradient or weight shard at least this large
+# alone, smaller ones packed together. One pack of everything would hold a
+# second, concatenated copy of every gradient in each replica beside the
+# gradients (and of every gathered weight beside the split-out variables);
+# alone, a gradient is all-reduced in place and a gathered shard becomes
+# its variable's value. Packing the small ones keeps the number of
+# collectives near the number of large variables. (Measured in
+# `benchmarks/memory.py`: the packs were the largest part of the peak.)
+BUCKET_BYTES = 4 * 2**20
 
 # optimizer -> its `_Shards`. Kept outside the optimizer so that Keras'
 # attribute tracking does not add the shadows to `optimizer.variables`
@@ -313,26 +315,66 @@ def apply(original, optimizer, grads, trainable_variables):
         shadows.append(shadow)
         grad_slices.append(_shard(g, k, replica_id, n))
     original(optimizer, grad_slices, shadows)
-    # One gather per variable, each after the previous variable's
-    # assignment: a replica holds one gathered variable at a time, and
-    # the gathered buffer becomes the variable's (no split, no copy).
+    # One gather per bucket, each after the previous bucket's assignments:
+    # a replica holds one bucket's gathered weights at a time.
     assigned = []
-    for v, shadow in zip(variables, shadows, strict=True):
-        with tf.control_dependencies(assigned[-1:]):
-            full = collectives.all_gather_equal(
-                ctx, tf.convert_to_tensor(shadow.value)
-            )
-        size = int(np.prod(v.shape))
-        if full.shape[0] != size:
-            full = full[:size]
-        # Keras' `assign` returns its input; the tf.Variable's op is what
-        # the next gather must wait for.
-        done = v.value.assign(tf.reshape(full, v.shape), read_value=False)
-        if v.constraint is not None:
-            with tf.control_dependencies([done]):
-                done = v.value.assign(v.constraint(v), read_value=False)
-        assigned.append(done)
+    sizes = [s.shape[0] * tf.as_dtype(s.dtype).size for s in shadows]
+    for bucket in _gather_buckets(shadows, sizes):
+        with tf.control_dependencies(assigned):
+            fulls = _gather_bucket(ctx, [shadows[i] for i in bucket])
+        assigned = []
+        for i, full in zip(bucket, fulls, strict=True):
+            assigned.append(_assign_full(variables[i], full))
     return None
+
+
+def _gather_buckets(shadows, sizes):
+    """`collectives.buckets` of the shadows, within each dtype."""
+    out, start = [], 0
+    for end in range(1, len(shadows) + 1):
+        if end == len(shadows) or shadows[end].dtype != shadows[start].dtype:
+            out.extend(
+                [start + j for j in bucket]
+                for bucket in collectives.buckets(
+                    sizes[start:end], BUCKET_BYTES
+                )
+            )
+            start = end
+    return out
+
+
+def _gather_bucket(ctx, shadows):
+    """The full flat values of `shadows` (one dtype): one all-gather."""
+    values = [tf.convert_to_tensor(s.value) for s in shadows]
+    if len(values) == 1:
+        # The gathered shards, in replica order, are the value: no copy.
+        return [collectives.all_gather_equal(ctx, values[0])]
+    lengths = [v.shape[0] for v in values]
+    gathered = collectives.all_gather_equal(ctx, tf.concat(values, axis=0))
+    # Row r is replica r's pack; a value's column block, read row by row,
+    # is that value's shards in replica order.
+    rows = tf.reshape(gathered, [ctx.num_replicas_in_sync, sum(lengths)])
+    return [
+        tf.reshape(column, [-1]) for column in tf.split(rows, lengths, axis=1)
+    ]
+
+
+def _assign_full(variable, full):
+    """Assigns a gathered flat value; returns the op to wait for."""
+    size = int(np.prod(variable.shape))
+    if full.shape[0] != size:
+        full = full[:size]
+    # Keras' `assign` returns its input; the tf.Variable's op is what the
+    # next gather must wait for.
+    done = variable.value.assign(
+        tf.reshape(full, variable.shape), read_value=False
+    )
+    if variable.constraint is not None:
+        with tf.control_dependencies([done]):
+            done = variable.value.assign(
+                variable.constraint(variable), read_value=False
+            )
+    return done
 
 
 def _gather_full(strategy, variable, shape, size):
