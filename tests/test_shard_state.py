@@ -136,9 +136,10 @@ def test_more_optimizers_equal_one_device(name):
         "jit_compile",
     ],
 )
-def test_sharded_options_equal_one_device(options):
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_sharded_options_equal_one_device(options, replicas):
     reference = _train(None, OPTIMIZERS["adam"], **dict(options))
-    model = _train(_sharded(4), OPTIMIZERS["adam"], **dict(options))
+    model = _train(_sharded(replicas), OPTIMIZERS["adam"], **dict(options))
     helpers.assert_weights_close(model.get_weights(), reference.get_weights())
 
 
