@@ -6,6 +6,8 @@ compares the weights (1e-5). Checkpoints hold the full state and restore
 across replica counts, sharded or not.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src import collectives
+from keras_replicator._src.patches import shard_state
 from tests import helpers
 
 OPTIMIZERS = {
@@ -46,6 +49,7 @@ MULTI_WORKER_CASES = {
     "adam_clipnorm": ("adam", {"opt": {"clipnorm": 0.05}}),
     "adam_clipvalue": ("adam", {"opt": {"clipvalue": 0.01}}),
     "adam_jit_compile": ("adam", {"jit_compile": True}),
+    "adam_small_buckets": ("adam", {"bucket_bytes": 32}),
 }
 
 
@@ -78,18 +82,33 @@ def _model(
     return model
 
 
-def _train(strategy, optimizer_fn, epochs=2, callbacks=(), **kwargs):
+@contextlib.contextmanager
+def _bucket_bytes(value):
+    """Sharded collectives in buckets of `value` bytes (None: the default)."""
+    saved = shard_state.BUCKET_BYTES
+    if value is not None:
+        shard_state.BUCKET_BYTES = value
+    try:
+        yield
+    finally:
+        shard_state.BUCKET_BYTES = saved
+
+
+def _train(
+    strategy, optimizer_fn, epochs=2, callbacks=(), bucket_bytes=None, **kwargs
+):
     x, y = _data()
-    model = _model(strategy, optimizer_fn, **kwargs)
-    model.fit(
-        x,
-        y,
-        batch_size=16,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=list(callbacks),
-    )
+    with _bucket_bytes(bucket_bytes):
+        model = _model(strategy, optimizer_fn, **kwargs)
+        model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=list(callbacks),
+        )
     return model
 
 
@@ -119,6 +138,10 @@ def test_more_optimizers_equal_one_device(name):
         # A constraint acts on the whole gathered weight, not a shard: the
         # max-norm of a column spans every replica's shard.
         {"kernel_constraint": keras.constraints.MaxNorm(0.3)},
+        # The model fits one 4 MiB bucket; 32 bytes makes several: on 4
+        # replicas the kernel's 56-byte shard is gathered alone, the next
+        # two shards (8 + 24 bytes) together, and every gradient alone.
+        {"bucket_bytes": 32},
         {"opt": {"clipnorm": 0.05}},
         {"opt": {"global_clipnorm": 0.05}},
         {"opt": {"clipvalue": 0.01}},
@@ -128,6 +151,7 @@ def test_more_optimizers_equal_one_device(name):
     ],
     ids=[
         "max_norm_constraint",
+        "small_buckets",
         "clipnorm",
         "global_clipnorm",
         "clipvalue",
@@ -333,3 +357,42 @@ def test_replicate_step_equals_one_device():
 )
 def test_buckets_keep_large_values_alone(sizes, expected):
     assert collectives.buckets(sizes, 4) == expected
+
+
+class _Scale(keras.layers.Layer):
+    """A trainable weight created with an aggregation, as some layers do."""
+
+    def __init__(self, aggregation, **kwargs):
+        super().__init__(**kwargs)
+        self.aggregation = aggregation
+
+    def build(self, input_shape):
+        self.w = self.add_weight(
+            shape=(input_shape[-1],),
+            initializer="ones",
+            aggregation=self.aggregation,
+        )
+
+    def call(self, x):
+        return x * self.w
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+def test_weight_with_aggregation_equals_one_device(aggregation):
+    # Each replica assigns its own gathered copy: a "sum" weight is not
+    # summed over the replicas.
+    x, y = _data()
+
+    def train(strategy):
+        keras.utils.set_random_seed(1)
+        with strategy.scope() if strategy else tf.device("CPU:0"):
+            model = keras.Sequential(
+                [keras.Input((8,)), _Scale(aggregation), keras.layers.Dense(3)]
+            )
+            model.compile(OPTIMIZERS["adam"](), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    helpers.assert_weights_close(
+        train(_sharded(2)).get_weights(), train(None).get_weights()
+    )

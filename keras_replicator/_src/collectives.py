@@ -2,11 +2,13 @@
 
 Every collective keras-replicator issues goes through here: the primitives
 (`kr.all_reduce`, `kr.broadcast`), gradient averaging (`wrap_optimizer`),
-cross-replica batch norm, the packed reduction of Keras' logs and
-`MetricReduction`. Packing is the same everywhere: values are grouped by
-dtype (a collective carries one dtype; MirroredStrategy also reduces int32
-on the host and floats on the devices and refuses to batch both), and each
-group goes out as ONE collective, in sorted dtype order.
+cross-replica batch norm, the packed reduction of Keras' logs,
+`MetricReduction` and sharded optimizer state. Packing is the same
+everywhere: values are grouped by dtype (a collective carries one dtype;
+MirroredStrategy also reduces int32 on the host and floats on the devices
+and refuses to batch both), and each group goes out as ONE collective, in
+sorted dtype order; sharded optimizer state splits each group further into
+`buckets` (`all_reduce(..., bucket_bytes=...)`), to hold less memory.
 
 Sorted order matters: every replica of every worker must issue its
 collectives in the same order, or the all-reduces pair up different values
@@ -32,6 +34,8 @@ def all_reduce(
     bucket_bytes: int | None = None,
 ) -> list[tf.Tensor | None]:
     """All-reduces a flat list in a replica context, one collective per dtype.
+
+    (Or one per bucket of a dtype, with `bucket_bytes`.)
 
     Args:
         ctx: The replica context (inside `strategy.run`).
@@ -102,11 +106,13 @@ def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 
 def _nbytes(value) -> int:
-    if isinstance(value, tf.IndexedSlices):
-        value = value.values
     count = value.shape.num_elements()
-    # An unknown shape counts as large: it goes out on its own.
-    return 2**62 if count is None else count * value.dtype.size
+    if isinstance(value, tf.IndexedSlices) or count is None:
+        # Counted as large, so it goes out on its own: a sparse gradient's
+        # size depends on the batch, and the buckets must depend on the
+        # variables only.
+        return 2**62
+    return count * value.dtype.size
 
 
 def all_gather_equal(

@@ -251,8 +251,9 @@ def mean_gradients(
 ):
     """Averages `grads` over all replicas, weighted by example counts.
 
-    Call it in a replica context. One packed all-reduce (per dtype) carries
-    the weighted gradients and the weights. A step that scaled a loss as a
+    Call it in a replica context. One packed all-reduce per dtype (or per
+    bucket, with `bucket_bytes`) carries the weighted gradients and the
+    weights. A step that scaled a loss as a
     share averages its replicas equally (its shares already weigh their
     examples).
 
@@ -325,7 +326,7 @@ def wrapped_gradients(grads, ctx, wire_dtype=None, options=None):
 
 
 def _scaled_sum(grads, ctx, scale, wire_dtype, options, bucket_bytes=None):
-    """The sum over replicas of `grads` times `scale`, one pack per dtype."""
+    """The sum over replicas of `grads` times `scale`, packed per dtype."""
     if scale != 1.0:
         grads_sent = [_times(g, scale) for g in grads]
     else:

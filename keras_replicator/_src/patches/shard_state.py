@@ -21,19 +21,21 @@ gradients already averaged once as in every Keras step):
    `update_step`, weight decay, learning-rate schedules and gradient
    accumulation all act element by element, so a slice is updated exactly
    as the same elements are on one device.
-3. All-gathers (`collectives.all_gather_equal`), in buckets of
-   `BUCKET_BYTES` each after the previous bucket's assignments, assemble
-   the updated weights; each replica assigns its own copy (no
-   `merge_call`). A large variable is a bucket of its own: the gathered
-   buffer becomes the variable's value, with no copy. (One packed gather
-   per dtype, as before this layout, needed the pack, the gathered pack
-   and the split-out variables at once: in `benchmarks/memory.py` at 4
-   replicas, peak RSS fell from about 1340 MB to about 1200 MB with this
-   and the bucketed all-reduce below.)
+3. All-gathers (`collectives.all_gather_equal`) of the updated shards, in
+   buckets of `BUCKET_BYTES` of shard bytes (within runs of one dtype),
+   each after the previous bucket's assignments, assemble the weights;
+   each replica assigns its own copy (no `merge_call`). A shard of at
+   least `BUCKET_BYTES` (a variable of N times that) is a bucket of its
+   own, and its gathered buffer becomes the variable's value, with no
+   copy. (One packed gather per dtype, as before this layout, needed the
+   pack, the gathered pack and the split-out variables at once: in
+   `benchmarks/memory.py` at 4 replicas, peak RSS fell from about 1340 MB
+   to about 1230 MB with this and the bucketed all-reduce below.)
 
 The reduce-scatter of the gradients is EMULATED: each gradient is
-all-reduced in full (as without sharding, but in buckets: a large one
-alone and in place), and each replica slices its part. TensorFlow's
+all-reduced in full (as without sharding, but in buckets of
+`BUCKET_BYTES` of gradient bytes: a large gradient alone and in place,
+small ones packed), and each replica slices its part. TensorFlow's
 `CollectiveReduceScatterV2` has no CPU implementation (on TensorFlow 2.21
 it fails with "did not find collective implementation undef"); NCCL
 implements it on GPUs, but that path cannot be tested here, so it is not
@@ -324,7 +326,7 @@ def apply(original, optimizer, grads, trainable_variables):
             fulls = _gather_bucket(ctx, [shadows[i] for i in bucket])
         assigned = []
         for i, full in zip(bucket, fulls, strict=True):
-            assigned.append(_assign_full(variables[i], full))
+            assigned.append(_assign_full(ctx, variables[i], full))
     return None
 
 
@@ -359,22 +361,34 @@ def _gather_bucket(ctx, shadows):
     ]
 
 
-def _assign_full(variable, full):
+def _assign_full(ctx, variable, full):
     """Assigns a gathered flat value; returns the op to wait for."""
     size = int(np.prod(variable.shape))
     if full.shape[0] != size:
         full = full[:size]
-    # Keras' `assign` returns its input; the tf.Variable's op is what the
-    # next gather must wait for.
-    done = variable.value.assign(
-        tf.reshape(full, variable.shape), read_value=False
-    )
+    done = _assign_own_copy(ctx, variable, tf.reshape(full, variable.shape))
     if variable.constraint is not None:
         with tf.control_dependencies([done]):
-            done = variable.value.assign(
-                variable.constraint(variable), read_value=False
-            )
+            constrained = variable.constraint(variable)
+            done = _assign_own_copy(ctx, variable, constrained)
     return done
+
+
+def _assign(component, value):
+    return component.assign(value, read_value=False)
+
+
+def _assign_own_copy(ctx, variable, value):
+    """Assigns this replica's copy of `variable`, as Keras' updates do.
+
+    Through `extended.update` (replica-local updates are on), so a weight
+    created with an `aggregation` is not summed or averaged over replicas.
+    Keras' own `assign` returns its input; this returns the assign op the
+    next gather must wait for.
+    """
+    return ctx.strategy.extended.update(
+        variable.value, _assign, args=(value,), group=False
+    )
 
 
 def _gather_full(strategy, variable, shape, size):
