@@ -8,6 +8,7 @@ restart are in `tests/multi_worker/test_hang_watchdog.py`.
 """
 
 import re
+import signal
 import threading
 import time
 
@@ -28,6 +29,11 @@ SLOW = 3.0
 @pytest.fixture(autouse=True)
 def interactive(monkeypatch):
     monkeypatch.setattr(hang_watchdog, "interactive", lambda: True)
+    # As in a notebook kernel, Ctrl-C raises KeyboardInterrupt, even when
+    # pytest was started in the background with SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _model(replicator):

@@ -71,6 +71,10 @@ def test_a_killed_worker_gives_128_plus_signal():
     assert code == 128 + signal.SIGKILL
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_every_worker(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -94,6 +98,9 @@ def test_ctrl_c_ends_every_worker(tmp_path):
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # Ctrl-C reaches the launcher as in a terminal, even when the tests
+        # run in the background with SIGINT ignored (inherited otherwise).
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 60

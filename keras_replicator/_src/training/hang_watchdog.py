@@ -492,8 +492,12 @@ def _dump_stacks() -> None:
 
 def _interrupt(thread_id: int) -> None:
     """Raises KeyboardInterrupt in the loop's thread."""
-    if thread_id == threading.main_thread().ident:
+    if thread_id == threading.main_thread().ident and callable(
+        signal.getsignal(signal.SIGINT)
+    ):
         # A real signal: it also ends a sleep or a lock wait in progress.
+        # Not where SIGINT is ignored (a process started in the background
+        # by a non-interactive shell): the signal would be dropped.
         signal.pthread_kill(thread_id, signal.SIGINT)
         return
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
