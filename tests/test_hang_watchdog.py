@@ -140,8 +140,10 @@ def test_no_false_alarm_for_a_slow_first_step_saves_and_validation(
 @pytest.mark.parametrize("where", ["first step", "save"])
 def test_what_is_not_timed_is_bounded_at_five_timeouts(where, tmp_path, capfd):
     # A first step or a save may wait in a collective for a stuck worker:
-    # untimed, but not forever.
-    model = _model(kr.LocalReplicator(2, hang_seconds=0.5))
+    # untimed, but not forever (5 s here). Each replica's trace sleeps 4 s;
+    # the save sleeps 7 s, and the real first step must trace within 5 s,
+    # also on a loaded machine.
+    model = _model(kr.LocalReplicator(2, hang_seconds=1.0))
     if where == "first step":
         train_step = model.train_step
 
@@ -155,7 +157,7 @@ def test_what_is_not_timed_is_bounded_at_five_timeouts(where, tmp_path, capfd):
 
         def slow_save(*args, **kwargs):
             save_weights(*args, **kwargs)
-            time.sleep(4)
+            time.sleep(7)
 
         model.save_weights = slow_save
     x, y = _data(16)
