@@ -15,6 +15,8 @@ from keras_replicator._src.cluster.config import ClusterConfig
 from keras_replicator._src.cluster.notebook_launch import launch
 from keras_replicator._src.core import devices as _devices
 from keras_replicator._src.core.devices import configure_cpu_replicas
+from keras_replicator._src.distribution import api as _distribution_api
+from keras_replicator._src.distribution.api import shard_shapes
 from keras_replicator._src.primitives import all_gather
 from keras_replicator._src.primitives import all_max
 from keras_replicator._src.primitives import all_mean
@@ -39,6 +41,8 @@ __version__ = "0.1.0.dev0"
 # (`KERAS_REPLICATOR_SPLIT_CPU=0` turns it off; see
 # `_devices.split_cpu_at_import`).
 _devices.split_cpu_at_import()
+# `keras.distribution` (DataParallel, ModelParallel) runs on replicators.
+_distribution_api.enable()
 
 __all__ = (
     "AsyncReplicator",
@@ -63,4 +67,5 @@ __all__ = (
     "layers",
     "num_replicas",
     "replica_id",
+    "shard_shapes",
 )

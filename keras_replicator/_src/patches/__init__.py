@@ -11,12 +11,14 @@ from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import hang_watchdog
 from keras_replicator._src.patches import iterator_teardown
 from keras_replicator._src.patches import keras_compat
+from keras_replicator._src.patches import keras_distribution
 from keras_replicator._src.patches import nested_collectives
 from keras_replicator._src.patches import per_replica_jit
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
 from keras_replicator._src.patches import replica_mean
 from keras_replicator._src.patches import shard_state
+from keras_replicator._src.patches import sharded_variables
 from keras_replicator._src.patches import trainer_loops
 
 __all__ = (
@@ -27,12 +29,14 @@ __all__ = (
     "install_for",
     "iterator_teardown",
     "keras_compat",
+    "keras_distribution",
     "nested_collectives",
     "per_replica_jit",
     "preemption",
     "registry",
     "replica_mean",
     "shard_state",
+    "sharded_variables",
     "trainer_loops",
 )
 

@@ -14,6 +14,11 @@ A `Patch` declares, in one place:
   lines a Keras or TensorFlow upgrade changed;
 - `delete_when`: the upstream fix (issue) after which it can go.
 
+A target may be a property (its getter is replaced; `function(original_getter,
+self)`) or an attribute the owner lacks (a backend hook Keras looks up but
+TensorFlow's backend never defined; `original` is then None and uninstalling
+removes it).
+
 Each attribute has exactly one owner: registering a second patch for the
 same attribute raises. Two behaviours on one method are composed inside
 the owning patch, explicitly (see `trainer_loops`).
@@ -155,7 +160,7 @@ def install(names: Iterable[str]) -> None:
             saved = []
             for target in patch.targets:
                 here = vars(target.owner).get(target.name, _MISSING)
-                original = getattr(target.owner, target.name)
+                original = getattr(target.owner, target.name, None)
                 setattr(
                     target.owner,
                     target.name,
@@ -205,7 +210,17 @@ def original(owner: Any, name: str) -> Any:
 
 
 def _bind(function, original):
-    @functools.wraps(original)
+    if isinstance(original, property):
+        getter = original.fget
+
+        @functools.wraps(getter)
+        def read(self):
+            return function(getter, self)
+
+        read.__keras_replicator_patch__ = True
+        return property(read, original.fset, original.fdel, original.__doc__)
+
+    @functools.wraps(original or function)
     def replacement(*args, **kwargs):
         return function(original, *args, **kwargs)
 

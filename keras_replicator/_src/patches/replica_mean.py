@@ -100,6 +100,7 @@ from tensorflow.python.ops import nn as tf_nn
 from tensorflow.python.ops import nn_impl_distribute
 
 from keras_replicator._src import collectives
+from keras_replicator._src.core import placements
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
@@ -449,9 +450,17 @@ def _apply(original, self, grads, trainable_variables=None):
         fed = id(self) in _fed
     if fed:
         shard_state.check_stock_apply(self)
-        with _replica_local_updates(self):
+        with _replica_local_updates(self), placements.local_reads():
             return original(self, grads, trainable_variables)
     step = replica_step.current()
+    blocks = _block_mask(self, trainable_variables)
+    if any(blocks):
+        # ModelParallel's sharded variables: their gradients were averaged
+        # and cut to this replica's block where they were read
+        # (`distribution/sharded.py`).
+        return _apply_with_blocks(
+            original, self, grads, trainable_variables, blocks, step, ctx
+        )
     if not one_device_convention(step, ctx.strategy):
         # tf.distribute's convention: stock Keras, which sums (rule 2).
         _tell_summed(self, step, ctx)
@@ -472,6 +481,42 @@ def _apply(original, self, grads, trainable_variables=None):
             # Opt-in ZeRO-1: update this replica's slice, gather weights.
             return shard_state.apply(original, self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
+
+
+def _block_mask(optimizer, trainable_variables):
+    """For each variable, whether ModelParallel stores it in blocks."""
+    if trainable_variables is None:
+        trainable_variables = getattr(optimizer, "_trainable_variables", ())
+    return [placements.of(v) is not None for v in trainable_variables or ()]
+
+
+def _apply_with_blocks(
+    original, optimizer, grads, trainable_variables, blocks, step, ctx
+):
+    """Averages the replicated variables' gradients only; updates blocks."""
+    if not one_device_convention(step, ctx.strategy) or (
+        gradient_reduction(ctx.strategy) == "sum"
+    ):
+        raise NotImplementedError(
+            "A model with variables sharded by `keras.distribution."
+            "ModelParallel` trains in Keras steps (`fit`, `train_on_batch`, "
+            "a custom `train_step`); an optimizer update in your own "
+            "`strategy.run`, or with `gradient_reduction='sum'`, is not "
+            f"supported. Received: optimizer={type(optimizer).__name__}"
+        )
+    grads = list(grads)
+    if len(grads) != len(blocks):
+        raise ValueError(
+            f"Expected one gradient per variable ({len(blocks)}). "
+            f"Received: {len(grads)} gradients"
+        )
+    replicated = [i for i, b in enumerate(blocks) if not b]
+    averaged = mean_gradients([grads[i] for i in replicated], ctx)
+    for i, g in zip(replicated, averaged, strict=True):
+        grads[i] = g
+    with receiving_reduced(optimizer), _replica_local_updates(optimizer):
+        with placements.local_reads():
+            return original(optimizer, grads, trainable_variables)
 
 
 def _stock_fails_in_graph(optimizer) -> bool:

@@ -78,6 +78,7 @@ from keras.src.optimizers import rmsprop
 from keras.src.optimizers import sgd
 
 from keras_replicator._src import collectives
+from keras_replicator._src.core import placements
 from keras_replicator._src.patches import registry
 
 KINDS = frozenset({"local", "multi_worker"})
@@ -243,6 +244,17 @@ def _add_variable_from_reference(
     original, self, reference_variable, name=None, initializer="zeros"
 ):
     shards = _SHARDS.get(self)
+    if placements.of(reference_variable) is not None:
+        # A variable ModelParallel stores in blocks (`sharded_variables`):
+        # its slot is made in blocks too (it inherits the layout), on the
+        # storage's devices. The stock code colocates with
+        # `reference_variable.value`, which is the full value here.
+        with self._distribution_strategy.extended.colocate_vars_with(
+            reference_variable._value
+        ):
+            return base_optimizer.BaseOptimizer.add_variable_from_reference(
+                self, reference_variable, name=name, initializer=initializer
+            )
     if shards is None:
         return original(
             self, reference_variable, name=name, initializer=initializer

@@ -1,0 +1,195 @@
+"""Where each slice of a laid-out variable lives: pure arithmetic on a mesh.
+
+A Keras `TensorLayout` names, for each dimension of a variable, the mesh
+axis it is split over (or None: not split). On a mesh of shape `(2, 4)`
+with axes `("batch", "model")`, a `(784, 200)` kernel laid out
+`(None, "model")` is cut into 4 column blocks of `(784, 50)`; the device at
+mesh coordinates `(b, m)` holds block `m`, so each block lives on the 2
+devices that differ only along `"batch"`.
+
+Devices are numbered in the mesh's flat (row-major) order, which is the
+replica order of the replicator that runs the mesh (`runtime.py`), so
+replica `r` holds the block at `numpy.unravel_index(r, mesh.shape)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one variable is split over the devices of a mesh.
+
+    Attributes:
+        path: The variable's path (for messages).
+        full_shape: The variable's shape.
+        mesh_shape: The mesh's shape.
+        axis_names: The mesh's axis names.
+        dim_axes: For each dimension of the variable, the index of the mesh
+            axis it is split over, or None.
+        devices: The mesh's device names in flat order (replica order).
+    """
+
+    path: str
+    full_shape: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    dim_axes: tuple[int | None, ...]
+    devices: tuple[str, ...]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether any dimension is split."""
+        return any(a is not None for a in self.dim_axes)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the block each device holds."""
+        return tuple(
+            d if a is None else d // self.mesh_shape[a]
+            for d, a in zip(self.full_shape, self.dim_axes, strict=True)
+        )
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def copies(self) -> int:
+        """On how many devices each block lives (the unused axes' sizes)."""
+        used = {a for a in self.dim_axes if a is not None}
+        return math.prod(
+            n for i, n in enumerate(self.mesh_shape) if i not in used
+        )
+
+    def begin(self, replica: int) -> tuple[int, ...]:
+        """The offset of replica `replica`'s block in the full variable."""
+        coords = np.unravel_index(replica, self.mesh_shape)
+        return tuple(
+            0 if a is None else int(coords[a]) * local
+            for a, local in zip(self.dim_axes, self.local_shape, strict=True)
+        )
+
+    def block(self, full, replica: int):
+        """Replica `replica`'s block of `full` (a NumPy array or tensor)."""
+        begin = self.begin(replica)
+        if isinstance(full, np.ndarray):
+            index = tuple(
+                slice(b, b + n)
+                for b, n in zip(begin, self.local_shape, strict=True)
+            )
+            return full[index]
+        return tf.slice(full, begin, self.local_shape)
+
+    def assemble(self, blocks: tf.Tensor) -> tf.Tensor:
+        """The full variable from every replica's block.
+
+        Args:
+            blocks: A tensor of shape `(num_devices, *local_shape)`: the
+                blocks in replica order (what an all-gather returns).
+
+        Returns:
+            A tensor of `full_shape`.
+        """
+        rank = len(self.full_shape)
+        grid = tf.reshape(blocks, [*self.mesh_shape, *self.local_shape])
+        # One copy of each block: index 0 along the mesh axes no dimension
+        # is split over.
+        used = [a for a in self.dim_axes if a is not None]
+        begin = [0] * (len(self.mesh_shape) + rank)
+        size = [
+            n if i in used else 1 for i, n in enumerate(self.mesh_shape)
+        ] + list(self.local_shape)
+        grid = tf.slice(grid, begin, size)
+        # Interleave: tensor dimension d becomes (mesh axis of d, local d).
+        order = []
+        mesh_rank = len(self.mesh_shape)
+        for d, a in enumerate(self.dim_axes):
+            if a is not None:
+                order.append(a)
+            order.append(mesh_rank + d)
+        unused = [i for i in range(mesh_rank) if i not in used]
+        grid = tf.transpose(grid, unused + order)
+        return tf.reshape(grid, self.full_shape)
+
+
+def _describe(path, shape, axes, mesh) -> str:
+    return (
+        f"Received: variable path={path!r}, shape={tuple(shape)}, "
+        f"layout={tuple(axes)}, mesh shape={tuple(mesh.shape)} with axes "
+        f"{tuple(mesh.axis_names)}"
+    )
+
+
+def placement(path: str, shape, layout, mesh) -> Placement:
+    """Checks `layout` for a variable and returns its `Placement`.
+
+    Args:
+        path: The variable's path.
+        shape: The variable's full shape.
+        layout: A `keras.distribution.TensorLayout` (or a tuple of axes).
+        mesh: The `keras.distribution.DeviceMesh` the variable lives on.
+
+    Returns:
+        A `Placement`.
+
+    Raises:
+        ValueError: If the layout's rank differs from the variable's, names
+            an axis the mesh lacks, names one axis twice, or splits a
+            dimension by an axis size that does not divide it.
+        NotImplementedError: If a dimension is split over several mesh axes
+            at once.
+    """
+    axes = tuple(getattr(layout, "axes", layout))
+    shape = tuple(int(d) for d in shape)
+    names = tuple(mesh.axis_names)
+    if len(axes) != len(shape):
+        raise ValueError(
+            f"A layout must name one mesh axis (or None) per dimension of "
+            f"the variable: the layout has {len(axes)} entries and the "
+            f"variable {len(shape)} dimensions. "
+            + _describe(path, shape, axes, mesh)
+        )
+    dim_axes = []
+    for axis in axes:
+        if axis is None:
+            dim_axes.append(None)
+            continue
+        if isinstance(axis, (tuple, list)):
+            raise NotImplementedError(
+                "keras-replicator splits a dimension over one mesh axis; a "
+                "dimension over several axes at once is not supported. "
+                + _describe(path, shape, axes, mesh)
+            )
+        if axis not in names:
+            raise ValueError(
+                f"Layout axis {axis!r} is not an axis of the mesh; the mesh "
+                f"has axes {names}. " + _describe(path, shape, axes, mesh)
+            )
+        index = names.index(axis)
+        if index in dim_axes:
+            raise ValueError(
+                f"Layout axis {axis!r} splits two dimensions; each mesh axis "
+                "may split one. " + _describe(path, shape, axes, mesh)
+            )
+        dim_axes.append(index)
+    for d, a in zip(shape, dim_axes, strict=True):
+        if a is not None and d % mesh.shape[a]:
+            raise ValueError(
+                f"Mesh axis {names[a]!r} has {mesh.shape[a]} devices, which "
+                f"does not divide the dimension of size {d} it splits. "
+                + _describe(path, shape, axes, mesh)
+            )
+    return Placement(
+        path=path,
+        full_shape=shape,
+        mesh_shape=tuple(int(n) for n in mesh.shape),
+        axis_names=names,
+        dim_axes=tuple(dim_axes),
+        devices=tuple(str(d) for d in np.asarray(mesh.devices).reshape(-1)),
+    )

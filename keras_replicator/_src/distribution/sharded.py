@@ -1,0 +1,235 @@
+"""Sharded variables: stored as blocks, gathered when used (FSDP / ZeRO-3).
+
+Under `keras.distribution.ModelParallel` a variable its layout map splits is
+stored as a `MirroredVariable` of the replicator that runs the mesh whose
+components DIFFER: the component on replica `r` holds block `r` of the
+variable (`layout.Placement.block`), so every device stores only its slice,
+and so do the optimizer slots made from it (Keras gives a slot its
+variable's layout). The Keras variable keeps its full shape.
+
+Compute is data-parallel over every device of the mesh, whatever the axes
+are named: each of the N devices takes 1/N of the global batch. Inside the
+step a read of a sharded variable is its full value, assembled by one
+all-gather of the blocks (`gathered`); its gradient is the all-reduce of the
+replicas' gradients (averaged as every gradient of the step is, by
+`replica_mean.mean_gradients`) cut back to the replica's block, so the
+optimizer updates the block with the same numbers one device computes for
+those elements. TensorFlow's CPU runtime has no reduce-scatter
+(`CollectiveReduceScatterV2` fails on CPU), so the cut follows a full
+all-reduce, as in the sharded optimizer state of `patches/shard_state.py`.
+
+Outside a replica step (`get_weights`, `save_weights`, `numpy()`, a
+checkpoint) the value is assembled from the components on the host
+(`full_value`), and an assignment cuts the new value into blocks
+(`assign`), so files hold whole values and load on any mesh or on one
+device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from keras.src.distribution import distribution_lib
+
+from keras_replicator._src import collectives
+from keras_replicator._src.core import placements
+from keras_replicator._src.distribution import layout as layout_lib
+from keras_replicator._src.patches import replica_mean
+
+
+def sharding_strategy(variable: Any, shape) -> tuple[Any, Any, Any]:
+    """`(replicator, placement, layout)` if `variable` is stored sharded.
+
+    A variable is sharded when the current strategy runs a `ModelParallel`
+    distribution whose layout for it splits a dimension. Else
+    `(None, None, None)`.
+
+    Raises:
+        ValueError: If its layout does not fit it or the mesh
+            (`layout.placement`).
+    """
+    strategy = tf.distribute.get_strategy()
+    distribution = getattr(strategy, placements.DISTRIBUTION_ATTR, None)
+    if not isinstance(distribution, distribution_lib.ModelParallel):
+        return None, None, None
+    layout = distribution.get_variable_layout(variable)
+    if layout is None or all(a is None for a in layout.axes):
+        return None, None, None
+    placement = layout_lib.placement(
+        variable.path, shape, layout, distribution.device_mesh
+    )
+    return strategy, placement, layout
+
+
+def create(variable: Any, value: Any, placement: Any, strategy: Any):
+    """Creates the block storage of a Keras variable; returns it.
+
+    Args:
+        variable: The Keras variable being initialised.
+        value: Its initial value, or a callable returning it (called once,
+            as on one device, so a seeded initializer draws the same
+            numbers).
+        placement: Its `layout.Placement`.
+        strategy: The replicator running the mesh; its replicas are the
+            mesh's devices in flat order.
+
+    Returns:
+        A `MirroredVariable` whose component `r` holds block `r`.
+
+    Raises:
+        NotImplementedError: For an `on_read` variable (its components are
+            aggregated on read; a block cannot be).
+    """
+    if variable.synchronization == "on_read":
+        raise NotImplementedError(
+            "A variable with `synchronization='on_read'` cannot be sharded "
+            "under ModelParallel on TensorFlow; leave it out of the layout "
+            f"map. Received: variable path={variable.path!r}"
+        )
+    with tf.init_scope():
+        full = value() if callable(value) else value
+        full = tf.convert_to_tensor(full, dtype=variable.dtype)
+        blocks = [
+            placement.block(full, r) for r in range(placement.num_devices)
+        ]
+        with strategy.scope():
+            stored = tf.Variable(
+                blocks[0],
+                trainable=variable.trainable,
+                name=variable.name,
+                aggregation=variable._map_aggregation(variable.aggregation),
+            )
+        components = list(stored.values)
+        if len(components) != len(blocks):
+            raise ValueError(
+                f"The mesh has {len(blocks)} devices but the replicator "
+                f"running it {len(components)} replicas. Received: variable "
+                f"path={variable.path!r}"
+            )
+        for component, block in zip(components[1:], blocks[1:], strict=True):
+            component.assign(block)
+        del full
+    return stored
+
+
+def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
+    """The full value of a sharded variable, in a replica step.
+
+    One all-gather of the replicas' blocks; the gradient is the averaged
+    full gradient cut to this replica's block.
+    """
+    placement = placements.of(variable)
+    local = tf.convert_to_tensor(variable._value)
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if replica is None:
+        raise RuntimeError(
+            "A sharded variable was read in a replica context whose replica "
+            f"id is not static. Received: variable path={variable.path!r}"
+        )
+    replica = int(replica)
+
+    @tf.custom_gradient
+    def gather(block):
+        flat = collectives.all_gather_equal(ctx, tf.reshape(block, [-1]))
+        full = placement.assemble(
+            tf.reshape(flat, [placement.num_devices, *placement.local_shape])
+        )
+
+        def grad(upstream):
+            # An Embedding's lookup gives IndexedSlices: densify, then
+            # reduce as a dense gradient (the numbers are the same).
+            upstream = tf.convert_to_tensor(upstream)
+            (reduced,) = replica_mean.mean_gradients([upstream], ctx)
+            return placement.block(reduced, replica)
+
+        return full, grad
+
+    return gather(local)
+
+
+def full_value(variable: Any) -> tf.Tensor:
+    """The full value of a sharded variable, outside a replica step."""
+    placement = placements.of(variable)
+    blocks = [tf.convert_to_tensor(c) for c in variable._value.values]
+    return placement.assemble(tf.stack(blocks))
+
+
+def assign(variable: Any, value: Any) -> None:
+    """Assigns a full value: each replica's component gets its block."""
+    placement = placements.of(variable)
+    value = tf.convert_to_tensor(value, dtype=variable._value.dtype)
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.strategy is variable._value.distribute_strategy:
+        # In a replica step: this replica's block only.
+        replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+        component = variable._value._get_on_device_or_primary()
+        component.assign(placement.block(value, replica))
+        return
+    for r, component in enumerate(variable._value.values):
+        component.assign(placement.block(value, r))
+
+
+def short_device_name(name: str) -> str:
+    """`"cpu:0"` for a local device, as `keras.distribution` names them."""
+    spec = tf.DeviceSpec.from_string(name if "/" in name else "/" + name)
+    short = f"{(spec.device_type or 'cpu').lower()}:{spec.device_index or 0}"
+    if spec.job not in (None, "localhost"):
+        return f"/job:{spec.job}/task:{spec.task or 0}/{short}"
+    return short
+
+
+def shard_shapes(variable: Any) -> dict[str, tuple[int, ...]]:
+    """Where a variable lives: `{device name: the shape stored there}`.
+
+    The TensorFlow counterpart of JAX's `variable.value.sharding`. Under
+    `keras.distribution.ModelParallel`, a variable its layout map splits
+    shows its block's shape on every device of the mesh; a replicated one
+    (`DataParallel`, a plain replicator, or a variable no layout names)
+    shows its full shape on every device that holds a copy. Device names
+    are `keras.distribution.list_devices()`'s (`"cpu:0"`, `"gpu:1"`).
+
+    Example:
+    ```python
+    mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"))
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d1/kernel"] = (None, "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map))
+    layer = keras.layers.Dense(8, name="d1")
+    layer.build((None, 16))
+    kr.shard_shapes(layer.kernel)  # {"cpu:0": (16, 2), ..., "cpu:3": (16, 2)}
+    ```
+
+    Args:
+        variable: A `keras.Variable` (or a `tf.Variable`).
+
+    Returns:
+        A dict from device name to the local shape, in device order.
+
+    Raises:
+        TypeError: If `variable` is not a variable.
+    """
+    placement = placements.of(variable)
+    if placement is not None:
+        return {
+            short_device_name(d): placement.local_shape
+            for d in placement.devices
+        }
+    inner = getattr(variable, "_value", variable)
+    if not isinstance(inner, tf.Variable):
+        raise TypeError(
+            "`shard_shapes` takes a `keras.Variable` or `tf.Variable`. "
+            f"Received: variable={variable!r} of type {type(variable)}"
+        )
+    components = getattr(inner, "values", None) or (inner,)
+    return {
+        short_device_name(c.device): tuple(int(d) for d in c.shape)
+        for c in components
+    }
+
+
+def block_numpy(variable: Any, replica: int) -> np.ndarray:
+    """Replica `replica`'s stored block (for tests and debugging)."""
+    return variable._value.values[replica].numpy()

@@ -1,0 +1,181 @@
+"""`keras.distribution` on TensorFlow: the backend hooks Keras calls.
+
+Keras 3.15's TensorFlow backend module `distribution_lib` is a stub
+("!!!DO NOT USE!!! ... prototype"): it lacks `get_device_count`,
+`initialize`, `num_processes`, `process_id`, `distribute_tensor` and
+`distribute_data_input`, and its mesh and layout conversions need DTensor,
+which is not used here (see the design notes in `distribution/`). So
+`ModelParallel` failed (`AttributeError: ... distribute_tensor` for an
+`"<layer>/output"` key) and `DataParallel` or a `ModelParallel` without
+such a key trained silently on one device.
+
+This patch, installed when `keras_replicator` is imported (the API is used
+before any replicator exists, so no replicator kind installs it):
+
+- fills in the missing hooks. `distribute_tensor` and
+  `distribute_data_input` return their input: compute is data-parallel over
+  every device of the mesh, so an activation is always the replica's slice
+  of the batch, and an `"<layer>/output"` layout is a hint with nothing to
+  change; the mesh and layout conversions return the Keras objects;
+- makes `set_distribution(d)` (which `Distribution.scope()` calls too) also
+  make the replicator of `d` the current `tf.distribute` strategy, and
+  `set_distribution(None)` drop it. The replicator comes from the factory
+  the distribution package registers (`set_replicator_factory`), since
+  patches do not import replicators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src import distribution as keras_src_distribution
+from keras.src.backend.tensorflow import distribution_lib as backend_lib
+from keras.src.distribution import distribution_lib
+
+from keras_replicator._src.patches import registry
+
+_factory: Callable[[Any], Any] | None = None
+# The strategy `set_distribution` made current, to drop it again.
+_current: list[Any] = []
+
+
+def set_replicator_factory(factory: Callable[[Any], Any]) -> None:
+    """Registers `factory(distribution) -> replicator` (the runtime's)."""
+    global _factory
+    _factory = factory
+
+
+def _get_device_count(original, device_type=None):
+    return len(backend_lib.list_devices(device_type))
+
+
+def _num_processes(original):
+    return 1
+
+
+def _process_id(original):
+    return 0
+
+
+def _initialize(
+    original, job_addresses=None, num_processes=None, process_id=None
+):
+    if num_processes not in (None, 1) or job_addresses:
+        raise NotImplementedError(
+            "keras.distribution.initialize() with several processes is not "
+            "supported on TensorFlow yet; use one process per host with "
+            "`DataParallel`/`ModelParallel`, or `kr.MultiWorkerReplicator`. "
+            f"Received: job_addresses={job_addresses!r}, "
+            f"num_processes={num_processes!r}, process_id={process_id!r}"
+        )
+
+
+def _distribute_tensor(original, tensor, layout):
+    # Every replica computes on its slice of the batch: a layout of an
+    # activation has nothing to change.
+    return tensor
+
+
+def _distribute_data_input(
+    original, per_process_batch, layout, batch_dim_name=None
+):
+    return per_process_batch
+
+
+def _to_backend_mesh(original, device_mesh):
+    return device_mesh
+
+
+def _to_backend_layout(original, tensor_layout):
+    if tensor_layout.device_mesh is None:
+        raise ValueError(
+            "Cannot create sharding when device mesh is not set for "
+            f"TensorLayout. Received: layout={tensor_layout!r}"
+        )
+    return tensor_layout
+
+
+def _set_distribution(original, value):
+    strategy = None
+    if value is not None:
+        if _factory is None:
+            raise RuntimeError(
+                "keras_replicator's distribution runtime is not loaded; "
+                "`import keras_replicator` first."
+            )
+        strategy = _factory(value)
+    original(value)
+    _make_current(strategy)
+
+
+def _make_current(strategy) -> None:
+    """Makes `strategy` (or none) the process' current strategy."""
+    if _current and tf.distribute.get_strategy() is _current[-1]:
+        tf.distribute.experimental_set_strategy(None)
+    _current.clear()
+    if strategy is not None:
+        tf.distribute.experimental_set_strategy(strategy)
+        _current.append(strategy)
+
+
+# Every module that exports `set_distribution`: user code reaches it as
+# `keras.distribution.set_distribution`, Keras' own `Distribution.scope()`
+# through the defining module.
+_SET_OWNERS = tuple(
+    dict.fromkeys(
+        (
+            distribution_lib,
+            keras_src_distribution,
+            keras.distribution,
+        )
+    )
+)
+
+PATCH = registry.register(
+    registry.Patch(
+        name="keras_distribution",
+        targets=(
+            registry.Target(backend_lib, "get_device_count", _get_device_count),
+            registry.Target(backend_lib, "num_processes", _num_processes),
+            registry.Target(backend_lib, "process_id", _process_id),
+            registry.Target(backend_lib, "initialize", _initialize),
+            registry.Target(
+                backend_lib, "distribute_tensor", _distribute_tensor
+            ),
+            registry.Target(
+                backend_lib, "distribute_data_input", _distribute_data_input
+            ),
+            registry.Target(backend_lib, "_to_backend_mesh", _to_backend_mesh),
+            registry.Target(
+                backend_lib, "_to_backend_layout", _to_backend_layout
+            ),
+            *(
+                registry.Target(owner, "set_distribution", _set_distribution)
+                for owner in _SET_OWNERS
+            ),
+        ),
+        # Installed at import (`distribution/__init__.py`), not by a kind.
+        applies_to=frozenset(),
+        pins=(
+            registry.Pin(
+                "keras.src.distribution.distribution_lib",
+                (
+                    "set_distribution(self)",
+                    "return distribution_lib.distribute_tensor(tensor, layout)",
+                    "self._num_processes = distribution_lib.num_processes()",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.distribution_lib",
+                ("def list_devices(device_type=None):",),
+            ),
+        ),
+        delete_when=(
+            "Keras' TensorFlow backend implements `keras.distribution` "
+            "(keras-team/keras#18473)"
+        ),
+    )
+)

@@ -1,0 +1,244 @@
+"""Keras variables that `keras.distribution.ModelParallel` stores sharded.
+
+On JAX, Keras asks the distribution for a variable's layout when it creates
+the variable (`backend/jax/core.py`); the TensorFlow backend never asks
+(`backend/tensorflow/core.py` builds a plain `tf.Variable`). Here, under
+the replicator of a `ModelParallel` distribution (`distribution/runtime.py`):
+
+- `Variable._initialize` asks `distribution.get_variable_layout(variable)`
+  (as JAX does); a layout that splits a dimension makes block storage
+  (`distribution/sharded.py`) and gives the variable that layout, so the
+  optimizer slots Keras makes from it (`add_variable_from_reference` passes
+  `layout=reference._layout`) are split the same way.
+- `Variable.value` of a sharded variable is, inside a replica step, its
+  full value gathered from the blocks (with a gradient that reduces and cuts
+  back to the block); while an optimizer updates it
+  (`core.placements.local_reads`), the replica's own block; outside a
+  replica step, the full value assembled on the host. So `numpy()`,
+  `get_weights`, `save_weights` and `model.save` see whole values.
+- `Variable.handle` is the stored block's (what `GradientTape` watches).
+- `Variable._direct_assign` cuts a full value into blocks.
+- `TFOptimizer._var_key` keys a sharded variable by its storage, as it
+  keys every other variable.
+- `BaseOptimizer._clip_gradients` (`clipnorm`, `global_clipnorm`) takes the
+  norms of the FULL gradients of sharded variables (a block's squares,
+  summed over the replicas once per copy of the block), so clipping acts as
+  on one device; `_backend_apply_gradients` tells it which gradients are
+  blocks.
+
+Every replacement runs the stock code for a variable that is not sharded.
+`PATCH.pins` records the Keras lines relied on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from keras.src.backend.common import variables as common_variables
+from keras.src.backend.tensorflow import core as tf_core
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from keras.src.optimizers import base_optimizer
+
+from keras_replicator._src import collectives
+from keras_replicator._src.core import placements
+from keras_replicator._src.distribution import sharded
+from keras_replicator._src.patches import registry
+
+KINDS = frozenset({"local", "multi_worker"})
+
+_local = threading.local()
+
+
+def _initialize(original, self, value):
+    if isinstance(value, tf.Variable):
+        return original(self, value)
+    shape = self._shape
+    if shape is None and not callable(value):
+        shape = tuple(tf.convert_to_tensor(value).shape)
+    if shape is None:
+        return original(self, value)
+    # Keras' layout lookup reads `variable.shape`; a variable initialised
+    # from a value has none yet (`common/variables.py` sets it after).
+    saved = self._shape
+    self._shape = tuple(shape)
+    try:
+        strategy, placement, layout = sharded.sharding_strategy(self, shape)
+    finally:
+        self._shape = saved
+    if placement is None:
+        return original(self, value)
+    self._value = sharded.create(self, value, placement, strategy)
+    setattr(self, placements.ATTR, placement)
+    if self._layout is None:
+        self._layout = layout
+    return None
+
+
+def _value(original, self):
+    if (
+        placements.of(self) is None
+        or self._value is None
+        or placements.reading_locally()
+    ):
+        return original(self)
+    if common_variables.in_stateless_scope():
+        scope = common_variables.get_stateless_scope()
+        if scope.get_current_value(self) is not None:
+            return original(self)
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.strategy is self._value.distribute_strategy:
+        return self._maybe_autocast(sharded.gathered(self, ctx))
+    return self._maybe_autocast(sharded.full_value(self))
+
+
+def _handle(original, self):
+    if placements.of(self) is None:
+        return original(self)
+    return self._value.handle
+
+
+def _direct_assign(original, self, value):
+    if placements.of(self) is None or placements.reading_locally():
+        return original(self, value)
+    return sharded.assign(self, value)
+
+
+def _var_key(original, self, variable):
+    if placements.of(variable) is not None:
+        variable = variable._value
+    return original(self, variable)
+
+
+@contextlib.contextmanager
+def _clipping(variables):
+    saved = getattr(_local, "variables", None)
+    _local.variables = variables
+    try:
+        yield
+    finally:
+        _local.variables = saved
+
+
+def _backend_apply_gradients(original, self, grads, trainable_variables):
+    if not placements.any_sharded(trainable_variables):
+        return original(self, grads, trainable_variables)
+    with _clipping(list(trainable_variables)):
+        return original(self, grads, trainable_variables)
+
+
+def _clip_gradients(original, self, grads):
+    variables = getattr(_local, "variables", None)
+    clips = (self.clipnorm and self.clipnorm > 0) or (
+        self.global_clipnorm and self.global_clipnorm > 0
+    )
+    if not clips or variables is None or len(variables) != len(grads):
+        return original(self, grads)
+    squares = _squared_norms(grads, variables)
+    if self.clipnorm and self.clipnorm > 0:
+        return [
+            None
+            if g is None
+            else _clip_to(tf.convert_to_tensor(g), s, self.clipnorm)
+            for g, s in zip(grads, squares, strict=True)
+        ]
+    # Keras' `clip_by_global_norm`, with the full gradients' norm.
+    use_norm = tf.sqrt(tf.add_n([s for s in squares if s is not None]))
+    clip_norm = tf.cast(self.global_clipnorm, use_norm.dtype)
+    scale = clip_norm * tf.minimum(1.0 / use_norm, 1.0 / clip_norm)
+    scale = scale + (use_norm - use_norm)
+    return [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
+
+
+def _squared_norms(grads, variables):
+    """Each gradient's squared norm, as one device computes it."""
+    squares = [
+        None if g is None else tf.reduce_sum(tf.square(tf.convert_to_tensor(g)))
+        for g in grads
+    ]
+    blocks = [
+        i
+        for i, (s, v) in enumerate(zip(squares, variables, strict=True))
+        if s is not None and placements.of(v) is not None
+    ]
+    if blocks:
+        ctx = tf.distribute.get_replica_context()
+        (summed,) = collectives.all_reduce(
+            ctx, "sum", [tf.stack([squares[i] for i in blocks])]
+        )
+        for j, i in enumerate(blocks):
+            # Each block lives on `copies` replicas: the sum counts it so
+            # many times (a power of two on usual meshes: exact).
+            copies = placements.of(variables[i]).copies
+            squares[i] = summed[j] / copies
+    return squares
+
+
+def _clip_to(values, l2sum, clip_norm):
+    """`tf.clip_by_norm(values, clip_norm)` given the squared norm."""
+    l2sum = tf.cast(l2sum, values.dtype)
+    pred = l2sum > 0
+    l2sum_safe = tf.where(pred, l2sum, tf.ones_like(l2sum))
+    l2norm = tf.where(pred, tf.sqrt(l2sum_safe), l2sum)
+    clip_norm = tf.cast(clip_norm, values.dtype)
+    return values * clip_norm / tf.maximum(l2norm, clip_norm)
+
+
+_Variable = tf_core.Variable
+_Base = base_optimizer.BaseOptimizer
+
+PATCH = registry.register(
+    registry.Patch(
+        name="sharded_variables",
+        targets=(
+            registry.Target(_Variable, "_initialize", _initialize),
+            registry.Target(_Variable, "value", _value),
+            registry.Target(_Variable, "handle", _handle),
+            registry.Target(_Variable, "_direct_assign", _direct_assign),
+            registry.Target(tf_optimizer.TFOptimizer, "_var_key", _var_key),
+            registry.Target(
+                _Base, "_backend_apply_gradients", _backend_apply_gradients
+            ),
+            registry.Target(_Base, "_clip_gradients", _clip_gradients),
+        ),
+        applies_to=KINDS,
+        pins=(
+            registry.Pin(
+                "keras.src.backend.tensorflow.core",
+                (
+                    "def _initialize(self, value):",
+                    "self._initialize(lambda: initializer(self._shape, "
+                    "dtype=self._dtype))",
+                    "return self.value.handle",
+                    "self._value.assign(tf.cast(value, self._value.dtype))",
+                    "return tf.convert_to_tensor(self.value, dtype=dtype, "
+                    "name=name)",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.backend.common.variables",
+                (
+                    "return self._maybe_autocast(self._value)",
+                    "self._initialize(initializer)",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.optimizers.base_optimizer",
+                (
+                    'layout=getattr(reference_variable, "_layout", None),',
+                    "grads = self._clip_gradients(grads)",
+                    "self._backend_apply_gradients(grads, trainable_variables)",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.optimizer",
+                ("return tf.clip_by_norm(values, self.clipnorm, axes)",),
+            ),
+        ),
+        delete_when=(
+            "Keras' TensorFlow backend implements `keras.distribution` "
+            "(keras-team/keras#18473)"
+        ),
+    )
+)
