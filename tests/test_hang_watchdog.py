@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src.core import env
+from keras_replicator._src.training import hang_backstop
 from keras_replicator._src.training import hang_watchdog
 
 HANG = 2.0
@@ -267,3 +268,80 @@ def test_the_stall_warning_comes_before_the_timeout():
     assert hang_watchdog.warn_seconds(600, 12) == 120
     assert hang_watchdog.warn_seconds(600, 100) == 300
     assert hang_watchdog.warn_seconds(20, 0.1) == 10
+
+
+def _backstop_in():
+    """Seconds until the armed backstop prints the stacks, or None."""
+    at = hang_backstop.armed_at()
+    return None if at is None else at - time.monotonic()
+
+
+def test_the_backstop_follows_the_watchdog_and_stands_down_with_it(tmp_path):
+    # The backstop fires the margin (10 s here) after the watchdog would:
+    # HANG after the last step, 5 HANG into a first step or a save.
+    margin = hang_watchdog.backstop_margin(HANG)
+    assert margin == 10.0
+    assert hang_watchdog.backstop_margin(600) == 300.0
+    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+    seen = {}
+    train_step = model.train_step
+
+    def traced(data):
+        seen.setdefault("first step", hang_backstop.armed_at())
+        return train_step(data)
+
+    model.train_step = traced
+    save_weights = model.save_weights
+
+    def save(*args, **kwargs):
+        seen.setdefault("save", _backstop_in())
+        return save_weights(*args, **kwargs)
+
+    model.save_weights = save
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                seen["step"] = _backstop_in()
+
+    x, y = _data()
+    started = time.monotonic()
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        callbacks=[
+            Look(),
+            keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+        ],
+        verbose=0,
+    )
+    untimed = 5 * HANG + margin
+    # From the start of fit, however long tracing took to begin.
+    assert 0 <= seen["first step"] - (started + untimed) < 2
+    # Each read a moment after the deadline moved (a loaded machine: 2 s).
+    assert untimed - 2 < seen["save"] <= untimed
+    # Moved only when it would move by more than half the margin.
+    assert HANG + margin / 2 - 2 < seen["step"] <= HANG + margin
+    # An interactive process (these tests) only gets the stacks.
+    assert not hang_backstop._backstop.ends
+    # Outside a loop the watchdog's thread disarms it at its next check.
+    time.sleep(1.0)
+    assert _backstop_in() is None
+
+    def step_fn(batch):
+        return tf.reduce_sum(batch)
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensors(tf.ones([2])).repeat()
+
+    step = kr.LocalReplicator(2, hang_seconds=HANG).replicate(
+        step_fn, input_fn
+    )
+    step()
+    step()
+    time.sleep(1.0)  # between calls: not timed
+    assert _backstop_in() is None
+    model = _model(kr.LocalReplicator(2, hang_seconds=0))
+    model.fit(x, y, batch_size=8, callbacks=[Look()], verbose=0)
+    assert seen["step"] is None

@@ -16,6 +16,17 @@ under `keras-replicator launch --workers 2 --max-restarts 1`:
   time with worker 1 waiting for it, under a 20 s timeout;
 - in a real Jupyter kernel, a `LocalReplicator` fit stuck in a callback
   ends with a `RuntimeError` and the kernel trains again after it.
+
+A callback that holds the GIL (`workers/gil_block_worker.py`: the C
+library's `sleep` through `ctypes.PyDLL`) stops every Python thread, the
+watchdog's too, with `KERAS_REPLICATOR_HANG_SECONDS=10`:
+
+- one process (`LocalReplicator(2)` under `launch --workers 1
+  --max-restarts 1`): the backstop prints the stuck thread's stack and
+  exits 76 within 3 timeouts; the restarted run resumes from its backup
+  and ends with one device's weights;
+- on 2 workers, blocked in worker 1: worker 0's watchdog ends the group,
+  which restarts and ends with one device's weights.
 """
 
 import os
@@ -30,7 +41,11 @@ from tests.multi_worker import preempt_reference as ref
 pytestmark = pytest.mark.multi_worker
 
 WORKER = harness.REPO_ROOT / "tests/multi_worker/workers/preempt_worker.py"
+GIL_WORKER = (
+    harness.REPO_ROOT / "tests/multi_worker/workers" / "gil_block_worker.py"
+)
 HANG_SECONDS = "20"
+GIL_HANG_SECONDS = 10
 BLOCKED_STEP = 10
 
 
@@ -82,6 +97,70 @@ def test_a_blocked_worker_is_ended_and_the_restarted_group_resumes(
     assert "starting all workers again on new ports (restart 1 of 1)" in out
     for result in results:
         # The restarted group resumed at the epoch-end backup of epoch 1.
+        assert result["trained"][0] == [1, 0]
+        ref.assert_weights(result, one_device)
+
+
+def _gil_blocked_once(tmp_path, worker):
+    return {
+        env_names.HANG_SECONDS: str(GIL_HANG_SECONDS),
+        "GIL_BLOCK_ONCE": str(tmp_path / "blocked"),
+        "GIL_BLOCK_STEP": str(BLOCKED_STEP),
+        "GIL_BLOCK_WORKER": str(worker),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_one_process_stuck_holding_the_gil_is_ended_and_restarted(
+    one_device, tmp_path
+):
+    proc, results = harness.run_launcher(
+        GIL_WORKER,
+        [str(tmp_path / "backup"), "local"],
+        num_workers=1,
+        replicas_per_worker=2,
+        env=_gil_blocked_once(tmp_path, 0),
+        timeout=240,
+        max_restarts=1,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-8000:]
+    blocked_at = float((tmp_path / "blocked").read_text())
+    # The watchdog's thread never ran; the backstop's C threads did: the
+    # stacks (the stuck thread in the callback), then exit code 76.
+    assert "keras-replicator watchdog" not in out, out[-8000:]
+    assert "[worker 0] Timeout (0:00:" in out, out[-8000:]
+    assert "in _at_step" in out
+    assert "was ended by the hang watchdog (exit code 76" in out
+    assert "starting all workers again on new ports (restart 1 of 1)" in out
+    # Ended (and started again) within 3 timeouts of the block: the
+    # backstop prints 20 s after the last step here, exits 3 s later.
+    ended_within = results[0]["started"] - blocked_at
+    assert ended_within < 3 * GIL_HANG_SECONDS, ended_within
+    # Resumed at the epoch-end backup of epoch 1; one device's weights.
+    assert results[0]["trained"][0] == [1, 0]
+    ref.assert_weights(results[0], one_device)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_stuck_holding_the_gil_ends_in_a_restart(one_device, tmp_path):
+    proc, results = harness.run_launcher(
+        GIL_WORKER,
+        [str(tmp_path / "backup"), "multi"],
+        num_workers=2,
+        replicas_per_worker=1,
+        env=_gil_blocked_once(tmp_path, 1),
+        timeout=240,
+        max_restarts=1,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-8000:]
+    assert (tmp_path / "blocked").exists()
+    # Worker 0, waiting for it in a collective, speaks first.
+    assert "[worker 0] [keras-replicator watchdog] task worker:0" in out
+    assert "was ended by the hang watchdog (exit code 76" in out
+    assert "starting all workers again on new ports (restart 1 of 1)" in out
+    for result in results:
         assert result["trained"][0] == [1, 0]
         ref.assert_weights(result, one_device)
 

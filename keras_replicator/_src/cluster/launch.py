@@ -9,7 +9,8 @@ of them. A preemption signal (SIGTERM, and the others named by
 `KERAS_REPLICATOR_PREEMPTION_SIGNALS`) is forwarded to every worker, which
 save at the same step and exit with `preemption.EXIT_CODE`; the launcher
 then exits with that code too. A worker ended by the hang watchdog
-(`hang_watchdog.EXIT_CODE`, 76) fails the group like any other failure,
+(`hang_watchdog.EXIT_CODE`, 76, also the exit of its backstop for a
+process stuck holding the GIL) fails the group like any other failure,
 so `max_restarts` restarts it; the others first get a few seconds to print
 their own stacks. Workers die with the launcher, however it dies
 (`reaper.py`).

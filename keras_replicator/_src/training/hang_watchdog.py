@@ -37,8 +37,20 @@ per process (started by the first such loop) watches for progress:
 Per step a loop only writes a few attributes and reads the monotonic
 clock. The thread wakes about once a second (20 times per timeout for
 timeouts under 20 s). It is a Python thread: code that holds the GIL
-forever stops it too (TensorFlow releases the GIL while it runs ops and
-waits in collectives, and so does Python while it sleeps or waits).
+forever (a C extension, a `ctypes.PyDLL` call) stops it. TensorFlow
+releases the GIL while it runs ops and waits in collectives, and so does
+Python while it sleeps or waits; for the rest there is a backstop
+(`hang_backstop.py`) that needs no GIL. It fires `backstop_margin` (the
+larger of 10 s and half the timeout) after the thread would have, so the
+thread keeps the first word whenever it can run: a `Timeout (H:MM:SS)!`
+header and every thread's Python stack from `faulthandler`'s C thread,
+then, 3 s later, exit code 76 from a POSIX timer's C thread (on Linux;
+elsewhere `faulthandler` exits with 1, which `launch --max-restarts`
+restarts as any failure). It is armed and moved as steps finish, and
+stands down where the thread does: the same untimed bounds, nothing
+between two `replicate` calls or outside the loops (the thread disarms
+it within one wake-up of the loop's end). In an interactive process it
+only prints the stacks.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from typing import Any
 
 from keras_replicator._src.core import env
 from keras_replicator._src.core import traits
+from keras_replicator._src.training import hang_backstop
 
 # sysexits.h EX_PROTOCOL, next to preemption's 75 (EX_TEMPFAIL): "start
 # again", as 75, but counted as a failure by restart policies, so that a
@@ -80,6 +93,10 @@ _INTERRUPT_NOTE_SECONDS = 30.0
 # for a stuck worker, and the stuck one must not wait for that save.
 UNTIMED_FACTOR = 5
 _KEY_PREFIX = "keras_replicator/watchdog/"
+# The backstop fires this much after the thread would have: at least the
+# floor, or this fraction of the timeout.
+_BACKSTOP_FLOOR_SECONDS = 10.0
+_BACKSTOP_FRACTION = 0.5
 _OFF = ("0", "off", "none", "")
 
 
@@ -275,6 +292,7 @@ class _Watchdog:
             self.basis = frame.seconds
             self.start()
             self.wake.set()
+        _update_backstop()
 
     def pop(self, frame: _Frame) -> None:
         try:
@@ -287,6 +305,11 @@ class _Watchdog:
             outer = self.frames[-1]
             outer.last = time.monotonic()
             outer.warned = False
+            _update_backstop()
+        # With no loop left the backstop stays armed (at least the timeout
+        # away) until the thread's next check disarms it: disarming and
+        # arming again at every `replicate` call would cost two thread
+        # starts a call.
 
     def _interval(self) -> float:
         frames = self.frames
@@ -317,6 +340,7 @@ class _Watchdog:
         }
 
     def _check(self) -> None:
+        _update_backstop(disarm=True)
         frames = list(self.frames)
         frame = frames[-1] if frames else None
         if frame is None:
@@ -388,6 +412,7 @@ class _Watchdog:
         )
         _dump_stacks()
         if in_session:
+            hang_backstop.cancel()
             _print(
                 f"{HEADER} task {frame.task}: interrupting the {frame.kind} "
                 "loop, which raises a RuntimeError; this process goes on."
@@ -416,6 +441,40 @@ class _Watchdog:
 
 
 _watchdog = _Watchdog()
+
+
+def backstop_margin(seconds: float) -> float:
+    """How long after the thread's deadline the backstop fires."""
+    return max(_BACKSTOP_FLOOR_SECONDS, _BACKSTOP_FRACTION * seconds)
+
+
+def _update_backstop(disarm: bool = False) -> None:
+    """Moves the backstop to the innermost loop's deadline plus the margin.
+
+    The deadline is the thread's: the timeout after the last progress, or
+    `UNTIMED_FACTOR` timeouts into a first step or a save. With no timed
+    loop, only the thread (`disarm`) disarms it.
+    """
+    frames = _watchdog.frames
+    frame = frames[-1] if frames else None
+    if frame is None or frame.seconds is None or frame.fired is not None:
+        if disarm:
+            hang_backstop.cancel()
+        return
+    seconds = frame.seconds
+    if _watchdog.paused:
+        deadline = _watchdog.paused_since + UNTIMED_FACTOR * seconds
+    elif not frame.armed:
+        deadline = frame.last + UNTIMED_FACTOR * seconds
+    else:
+        deadline = frame.last + seconds
+    margin = backstop_margin(seconds)
+    hang_backstop.arm(
+        deadline + margin,
+        slack=margin / 2,
+        ends=not interactive(),
+        code=EXIT_CODE,
+    )
 
 
 def warn_seconds(seconds: float, slowest: float) -> float:
@@ -604,6 +663,7 @@ def arm() -> None:
     if frames and not frames[-1].armed:
         frames[-1].last = time.monotonic()
         frames[-1].armed = True
+        _update_backstop()
 
 
 def beat() -> None:
@@ -619,6 +679,7 @@ def beat() -> None:
     frame.last = now
     frame.armed = True
     frame.warned = False
+    _update_backstop()
 
 
 class paused:  # noqa: N801 - used as a function, like contextlib's
@@ -631,6 +692,7 @@ class paused:  # noqa: N801 - used as a function, like contextlib's
         _watchdog.paused += 1
         _watchdog.dirty = True
         _watchdog.wake.set()
+        _update_backstop()
         return self
 
     def __exit__(self, kind, error, traceback):
@@ -643,4 +705,5 @@ class paused:  # noqa: N801 - used as a function, like contextlib's
             frames[-1].warned = False
         _watchdog.dirty = True
         _watchdog.wake.set()
+        _update_backstop()
         return False
