@@ -138,15 +138,37 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
         )
 
         def grad(upstream):
-            # An Embedding's lookup gives IndexedSlices: densify, then
-            # reduce as a dense gradient (the numbers are the same).
-            upstream = tf.convert_to_tensor(upstream)
             (reduced,) = replica_mean.mean_gradients([upstream], ctx)
+            if isinstance(reduced, tf.IndexedSlices):
+                return _sparse_block(reduced, placement, replica)
             return placement.block(reduced, replica)
 
         return full, grad
 
     return gather(local)
+
+
+def _sparse_block(slices, placement, replica):
+    """This replica's block of a sparse gradient, still sparse.
+
+    An Embedding's gradient is `IndexedSlices` with one row per looked-up
+    id, repeated ids included; on one device Keras' optimizers see exactly
+    those rows (Adam's second moment squares each repeat on its own). The
+    block keeps the rows whose ids fall in this replica's range of rows,
+    in the same order, cut to its columns.
+    """
+    begin = placement.begin(replica)
+    local = placement.local_shape
+    indices = tf.cast(slices.indices, tf.int64)
+    keep = tf.logical_and(indices >= begin[0], indices < begin[0] + local[0])
+    values = tf.boolean_mask(slices.values, keep)
+    if any(begin[1:]) or tuple(local[1:]) != tuple(placement.full_shape[1:]):
+        values = tf.slice(values, [0, *begin[1:]], [-1, *local[1:]])
+    return tf.IndexedSlices(
+        values,
+        tf.boolean_mask(indices, keep) - begin[0],
+        tf.constant(local, tf.int64),
+    )
 
 
 def full_value(variable: Any) -> tf.Tensor:
@@ -156,19 +178,29 @@ def full_value(variable: Any) -> tf.Tensor:
     return placement.assemble(tf.stack(blocks))
 
 
-def assign(variable: Any, value: Any) -> None:
-    """Assigns a full value: each replica's component gets its block."""
+def assign(variable: Any, value: Any):
+    """Assigns a full value (each replica's component gets its block).
+
+    In a replica step a value of the block's shape (an optimizer's update)
+    is assigned to this replica's component as it is.
+
+    Returns:
+        The value assigned (as Keras' `assign` does).
+    """
     placement = placements.of(variable)
     value = tf.convert_to_tensor(value, dtype=variable._value.dtype)
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.strategy is variable._value.distribute_strategy:
         # In a replica step: this replica's block only.
-        replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
         component = variable._value._get_on_device_or_primary()
-        component.assign(placement.block(value, replica))
-        return
+        if tuple(value.shape) != tuple(placement.local_shape):
+            replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+            value = placement.block(value, replica)
+        component.assign(value)
+        return value
     for r, component in enumerate(variable._value.values):
         component.assign(placement.block(value, r))
+    return value
 
 
 def short_device_name(name: str) -> str:

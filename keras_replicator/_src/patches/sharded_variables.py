@@ -100,8 +100,16 @@ def _handle(original, self):
 
 
 def _direct_assign(original, self, value):
-    if placements.of(self) is None or placements.reading_locally():
+    if placements.of(self) is None:
         return original(self, value)
+    return sharded.assign(self, value)
+
+
+def _assign(original, self, value):
+    if placements.of(self) is None or not placements.reading_locally():
+        return original(self, value)
+    # An optimizer's own update of a block (Keras' gradient accumulators:
+    # `g_acc.assign(g + acc_g)`): Keras' check compares with the full shape.
     return sharded.assign(self, value)
 
 
@@ -138,9 +146,7 @@ def _clip_gradients(original, self, grads):
     squares = _squared_norms(grads, variables)
     if self.clipnorm and self.clipnorm > 0:
         return [
-            None
-            if g is None
-            else _clip_to(tf.convert_to_tensor(g), s, self.clipnorm)
+            None if g is None else _clip_to(g, s, self.clipnorm)
             for g, s in zip(grads, squares, strict=True)
         ]
     # Keras' `clip_by_global_norm`, with the full gradients' norm.
@@ -148,13 +154,26 @@ def _clip_gradients(original, self, grads):
     clip_norm = tf.cast(self.global_clipnorm, use_norm.dtype)
     scale = clip_norm * tf.minimum(1.0 / use_norm, 1.0 / clip_norm)
     scale = scale + (use_norm - use_norm)
-    return [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
+    return [None if g is None else _scaled(g, scale) for g in grads]
+
+
+def _values(g):
+    """The numbers of a gradient: an `IndexedSlices`' rows, repeats kept."""
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _scaled(g, factor):
+    # As Keras' `v * scale`: an `IndexedSlices` becomes dense (its repeated
+    # rows summed), and the optimizer then sees a dense gradient.
+    return tf.convert_to_tensor(g) * tf.cast(factor, g.dtype)
 
 
 def _squared_norms(grads, variables):
     """Each gradient's squared norm, as one device computes it."""
+    # As `tf.clip_by_norm` and Keras' `global_norm` do, an
+    # `IndexedSlices`' repeated rows count one by one.
     squares = [
-        None if g is None else tf.reduce_sum(tf.square(tf.convert_to_tensor(g)))
+        None if g is None else tf.reduce_sum(tf.square(_values(g)))
         for g in grads
     ]
     blocks = [
@@ -175,14 +194,18 @@ def _squared_norms(grads, variables):
     return squares
 
 
-def _clip_to(values, l2sum, clip_norm):
-    """`tf.clip_by_norm(values, clip_norm)` given the squared norm."""
+def _clip_to(g, l2sum, clip_norm):
+    """`tf.clip_by_norm(g, clip_norm)` given the squared norm."""
+    values = _values(g)
     l2sum = tf.cast(l2sum, values.dtype)
     pred = l2sum > 0
     l2sum_safe = tf.where(pred, l2sum, tf.ones_like(l2sum))
     l2norm = tf.where(pred, tf.sqrt(l2sum_safe), l2sum)
     clip_norm = tf.cast(clip_norm, values.dtype)
-    return values * clip_norm / tf.maximum(l2norm, clip_norm)
+    clipped = values * clip_norm / tf.maximum(l2norm, clip_norm)
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(clipped, g.indices, g.dense_shape)
+    return clipped
 
 
 _Variable = tf_core.Variable
@@ -196,6 +219,7 @@ PATCH = registry.register(
             registry.Target(_Variable, "value", _value),
             registry.Target(_Variable, "handle", _handle),
             registry.Target(_Variable, "_direct_assign", _direct_assign),
+            registry.Target(_Variable, "assign", _assign),
             registry.Target(tf_optimizer.TFOptimizer, "_var_key", _var_key),
             registry.Target(
                 _Base, "_backend_apply_gradients", _backend_apply_gradients
