@@ -14,6 +14,10 @@ Several behaviours need these entry points, and one patch owns them:
   signal handlers installed, and they are put back however it ends.
 - The hang watchdog (`training/hang_watchdog.py`): under `LocalReplicator`
   and `MultiWorkerReplicator` each call is a watched loop.
+- A model with variables `keras.distribution.ModelParallel` stores in
+  blocks refuses `jit_compile=True` (`NotImplementedError`): XLA on a
+  replica cannot hold the all-gathers that read those variables. Keras'
+  own `"auto"` resolves to False under tf.distribute.
 
 Everything else, including every model under no strategy or a stock
 `tf.distribute` strategy, runs Keras' stock method unchanged.
@@ -25,6 +29,7 @@ import inspect
 
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
+from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
@@ -50,6 +55,17 @@ def _arguments(original, model, args, kwargs) -> dict:
     return arguments
 
 
+def _check_jit(model, name):
+    if model.jit_compile and placements.any_sharded(model.variables):
+        raise NotImplementedError(
+            f"`{name}` with `jit_compile=True` is not supported for a model "
+            "whose variables `keras.distribution.ModelParallel` shards on "
+            "TensorFlow: XLA cannot hold the all-gathers that read them. "
+            "Compile with `jit_compile=False` (or the default `\"auto\"`). "
+            f"Received: jit_compile={model.jit_compile!r}"
+        )
+
+
 def _dispatch(name):
     def method(original, self, *args, **kwargs):
         replicator = _loops(self)
@@ -64,6 +80,7 @@ def _dispatch(name):
         strategy = traits.model_strategy(self)
         if not traits.is_in_graph(strategy):
             return original(self, *args, **kwargs)
+        _check_jit(self, name)
         if name == "fit":
             with preemption.fit_scope(self):
                 with hang_watchdog.watching(
