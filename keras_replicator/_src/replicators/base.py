@@ -27,16 +27,21 @@ from keras_replicator._src.training import replicate as replicate_lib
 # process with different device sets then share group key 1 and the runtime
 # fails with "joining a group with size 4, but that group has size 2 ... Restart
 # your program" (tensorflow/tensorflow#62790). Every replicator takes its own
-# block of keys instead. Workers of one cluster create their replicators in the
-# same order, so they agree on the keys.
+# block of keys instead. Multi-worker replicators count their blocks apart,
+# from a range of their own: workers that create as many of them agree on the
+# keys, whatever local replicators each created.
 _KEY_BLOCK = 10_000
+_MULTI_WORKER_KEYS = 1_000_000_000  # group keys are int32
 _key_blocks = itertools.count(1)
+_multi_worker_blocks = itertools.count(0)
 _key_lock = threading.Lock()
 
 
-def next_collective_key_base() -> int:
+def next_collective_key_base(multi_worker: bool = False) -> int:
     """Returns a collective group-key base no other replicator here uses."""
     with _key_lock:
+        if multi_worker:
+            return _MULTI_WORKER_KEYS + next(_multi_worker_blocks) * _KEY_BLOCK
         return next(_key_blocks) * _KEY_BLOCK
 
 

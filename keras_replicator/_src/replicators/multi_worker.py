@@ -15,6 +15,7 @@ from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
 from keras_replicator._src.replicators import base
+from keras_replicator._src.training import hang_watchdog
 
 _Extended = cars.CollectiveAllReduceExtended
 _CPU_REPLICAS_ENV = env.CPU_REPLICAS
@@ -36,8 +37,11 @@ class MultiWorkerReplicator(
 
     The cluster comes from `TF_CONFIG` (set by `keras-replicator launch`, by
     Kubeflow's TFJob, or by hand), from Slurm, or from `cluster=`. Workers
-    must create their replicators in the same order: each replicator takes
+    must create the same number of multi-worker replicators: each takes
     the next block of collective keys, and the workers' blocks must match.
+    Creating one again (keras.io's multi-worker guide does, per
+    `run_training()`) reuses this worker's collective server as it is; see
+    `_MultiWorkerExtended`.
 
     TensorFlow's gRPC cluster traffic is unauthenticated: keep the cluster on
     a trusted network.
@@ -121,8 +125,12 @@ class MultiWorkerReplicator(
         _take_gpu_share(config)
         device_type, count = _local_devices(replicas_per_worker)
         # Read by CollectiveAllReduceExtended; see
-        # base.next_collective_key_base.
-        self._collective_key_base = base.next_collective_key_base()
+        # base.next_collective_key_base. Counted among multi-worker
+        # replicators only: a LocalReplicator made on one worker alone (a
+        # one-device reference, say) does not shift the others' keys.
+        self._collective_key_base = base.next_collective_key_base(
+            multi_worker=True
+        )
         # A dead peer is reported by TensorFlow's coordination service
         # (heartbeats, 10 s; the error names the lost task); a peer that
         # never comes up, by the start-up watchdog below. A per-collective
@@ -261,12 +269,47 @@ def _check_timeout(name: str, value: Any) -> None:
 
 
 class _MultiWorkerExtended(_Extended):
-    """Places `count` replicas of `device_type` on each worker."""
+    """Places `count` replicas of `device_type` on each worker.
+
+    A replicator created again in a process whose collective server runs
+    already keeps that server as it is. TensorFlow would enable collective
+    ops again (`context.enable_collective_ops`), and its server's
+    `UpdateServerDef` replaces the collective executor manager, with the
+    table of groups the collectives are resolved in. A worker that creates
+    its replicator a moment later than another, and so replaces its
+    manager after the other's first collective (the broadcast of the first
+    variable's initial value) reached it, loses that request: both wait
+    forever, one in `collective_bcast_send`, the other in
+    `collective_bcast_recv`, with the same keys. The same cluster needs
+    no new set-up; the new replicator's groups are new keys in the
+    running manager.
+    """
 
     def __init__(self, container, resolver, options, device_type, count):
         self._kr_device_type = device_type
         self._kr_count = count
+        if _server_running_for(resolver):
+            # Skips TF's set-up of the server (`_initialize_multi_worker`
+            # checks this attribute) and, as TF does under the
+            # coordination service that set-up started, its health-check
+            # thread and the all-reduce it opens with.
+            self._std_server_started = True
+            self._enable_check_health = False
         super().__init__(container, resolver, options)
+
+    def _create_variable(self, next_creator, **kwargs):
+        # Eagerly, the chief broadcasts the initial value to every worker:
+        # a collective, watched for a hang like a step (a worker that never
+        # builds the model, or whose collectives went elsewhere).
+        name = kwargs.get("name")
+        what = "the creation of " + (
+            f"variable {name!r}" if name else "a variable"
+        )
+        with hang_watchdog.CollectiveWatch(
+            self._container_strategy(),
+            f"{what} (its initial value's broadcast from the chief)",
+        ):
+            return super()._create_variable(next_creator, **kwargs)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         # TF places one replica per CPU worker (or one per GPU); CPU replicas
@@ -277,6 +320,22 @@ class _MultiWorkerExtended(_Extended):
             for i in range(self._kr_count)
         )
         return devices, self._kr_device_type
+
+
+def _server_running_for(resolver) -> bool:
+    """Whether this process's collective server runs, for this cluster."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    running = ctx._collective_ops_server_def  # noqa: SLF001
+    if running is None or ctx._context_handle is None:  # noqa: SLF001
+        return False
+    # A different cluster (another `cluster=`) keeps TensorFlow's path.
+    return (
+        running.cluster == resolver.cluster_spec().as_cluster_def()
+        and running.job_name == resolver.task_type
+        and running.task_index == resolver.task_id
+    )
 
 
 def _take_gpu_share(config: cluster_lib.ClusterConfig) -> None:

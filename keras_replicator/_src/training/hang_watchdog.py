@@ -167,10 +167,11 @@ def interactive() -> bool:
 
 
 class _Frame:
-    """One watched loop (a Keras loop, or a `replicate` step's calls)."""
+    """One watched loop, or one collective outside the loops (`stepless`)."""
 
     def __init__(self, kind, seconds, task, cluster, where=None):
         self.kind = kind
+        self.stepless = False
         self.seconds = seconds
         self.task = task
         self.cluster = cluster
@@ -190,8 +191,14 @@ class _Frame:
     def position(self, step: bool = True) -> str:
         """`"fit, step 51 (epoch 7)"`; without `step`, `"fit (epoch 7)"`."""
         where = self.where() if self.where is not None else None
-        text = f"{self.kind}, step {self.steps + 1}" if step else self.kind
+        text = self.kind
+        if step and not self.stepless:
+            text = f"{self.kind}, step {self.steps + 1}"
         return f"{text} ({where})" if where else text
+
+    def at_step(self) -> str:
+        """`" step 51"`, or nothing outside a loop."""
+        return "" if self.stepless else f" step {self.steps + 1}"
 
 
 class _Cluster:
@@ -384,10 +391,15 @@ class _Watchdog:
             if stale and idle < warn_after + _SETTLE_SECONDS:
                 return  # They publish at their own warning; wait a little.
             frame.warned = True
+            slowest = (
+                ""
+                if frame.stepless
+                else f"; the slowest step so far took {frame.slowest:.3g} s"
+            )
             _print(
                 f"{HEADER} task {frame.task}: no progress for {idle:.0f} s "
-                f"in {frame.position()}; the slowest step so far took "
-                f"{frame.slowest:.3g} s.{_steps_text(frame, peers, idle)} "
+                f"in {frame.position()}{slowest}."
+                f"{_steps_text(frame, peers, idle)} "
                 f"Without progress this process ends in "
                 f"{frame.seconds - idle:.0f} s ({env.HANG_SECONDS}="
                 f"{frame.seconds:g}) and prints every thread's stack."
@@ -404,7 +416,7 @@ class _Watchdog:
                 "timeout"
             )
         _print(
-            f"{HEADER} task {frame.task} step {frame.steps + 1}: no "
+            f"{HEADER} task {frame.task}{frame.at_step()}: no "
             f"progress for {idle:.0f} s in {frame.position(step=False)}"
             f"{where} ({env.HANG_SECONDS}={frame.seconds:g}); this process "
             f"is stuck.{_steps_text(frame, peers, idle)} Every thread's "
@@ -414,8 +426,9 @@ class _Watchdog:
         if in_session:
             hang_backstop.cancel()
             _print(
-                f"{HEADER} task {frame.task}: interrupting the {frame.kind} "
-                "loop, which raises a RuntimeError; this process goes on."
+                f"{HEADER} task {frame.task}: interrupting the {frame.kind}"
+                f"{'' if frame.stepless else ' loop'}, which raises a "
+                "RuntimeError; this process goes on."
             )
             _interrupt(frame.thread)
             return
@@ -521,6 +534,9 @@ def _steps_text(frame: _Frame, peers, idle: float) -> str:
             steps[task] = int(state["step"])
         else:
             missing.append(task)
+    if frame.stepless:
+        # Outside a loop there are no steps to compare.
+        return f" No report from: {', '.join(missing)}." if missing else ""
     lowest = min(steps.values())
     behind = max(steps.values()) > lowest
     parts = [
@@ -570,7 +586,8 @@ def _converted(frame: _Frame, error: BaseException | None) -> None:
         return
     raise RuntimeError(
         f"The hang watchdog stopped this {frame.kind}: no progress for "
-        f"{frame.fired_after:.0f} s at step {frame.steps + 1} "
+        f"{frame.fired_after:.0f} s{' at' if frame.at_step() else ''}"
+        f"{frame.at_step()} "
         f"({env.HANG_SECONDS}={frame.seconds:g}). Every thread's stack is "
         "printed above; the interrupted thread's traceback is the cause "
         "below. Fix the hang, or raise the timeout if steps legitimately "
@@ -650,6 +667,48 @@ class StepWatch:
             frame.steps += 1
             frame.armed = True
         _converted(frame, error)
+        return False
+
+
+class CollectiveWatch:
+    """Watches one collective outside the loops: `with watch: ...`.
+
+    E.g. a variable's creation under `MultiWorkerReplicator`, whose initial
+    value the chief broadcasts to every worker. Timed from its start, as a
+    step; inside a watched loop the loop's own clock covers it.
+
+    Args:
+        strategy: The replicator.
+        what: What waits, for messages (`"the creation of variable 'x'"`).
+    """
+
+    def __init__(self, strategy: Any, what: str):
+        self._strategy = strategy
+        self._what = what
+        self._frame: _Frame | None = None
+
+    def __enter__(self):
+        if _watchdog.frames:
+            return self
+        strategy = self._strategy
+        frame = _Frame(
+            self._what,
+            resolve_seconds(getattr(strategy, "hang_seconds", None)),
+            _task_of(strategy),
+            _Cluster.of(strategy),
+        )
+        frame.stepless = True
+        frame.armed = True
+        self._frame = frame
+        _watchdog.push(frame)
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        del kind, traceback
+        frame, self._frame = self._frame, None
+        if frame is not None:
+            _watchdog.pop(frame)
+            _converted(frame, error)
         return False
 
 
