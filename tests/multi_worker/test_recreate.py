@@ -5,11 +5,11 @@ Workers run `workers/recreate_worker.py` under `keras-replicator launch
 then three times re-create the replicator with `kr.auto()`, build or
 `load_model` under its scope, and fit with a `ModelCheckpoint`.
 
-- Once with worker 0, once with worker 1, 3 s late to every re-creation:
-  before the fix, a worker that re-created later replaced its collective
-  executor manager after the other's first broadcast had reached it, and
-  both waited forever (with worker 0 late: every run). Every run ends,
-  with one device's losses and weights.
+- With worker 0 (the collective leader) 3 s late to every re-creation:
+  before the fix it replaced its collective executor manager after worker
+  1's first broadcast had reached it, and both waited forever, every run
+  (worker 1 late did not hang: it is not where groups are resolved). The
+  run ends, with one device's losses and weights.
 - Worker 1 blocked after a re-creation: worker 0 waits in the broadcast of
   its first variable, and the hang watchdog ends it (10 s timeout) with
   its stacks and exit code 76.
@@ -47,9 +47,8 @@ def busy_core():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("late", [0, 1])
-def test_the_guide_pattern_with_a_late_worker_never_deadlocks(
-    late, one_device, busy_core, tmp_path
+def test_the_guide_pattern_with_a_late_chief_never_deadlocks(
+    one_device, busy_core, tmp_path
 ):
     proc, results = harness.run_launcher(
         WORKER,
@@ -57,7 +56,7 @@ def test_the_guide_pattern_with_a_late_worker_never_deadlocks(
         num_workers=2,
         replicas_per_worker=1,
         env={
-            "RECREATE_SLOW_WORKER": str(late),
+            "RECREATE_SLOW_WORKER": "0",
             "RECREATE_SLOW_SECONDS": "3",
             # A deadlock ends in a minute with every stack, not at the
             # test's timeout.
