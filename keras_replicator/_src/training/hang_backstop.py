@@ -109,7 +109,6 @@ class _Backstop:
         # the process; None when not armed.
         self.at: float | None = None
         self.ends = False
-        self.code = FAULTHANDLER_EXIT_CODE
         self.timer: _ExitTimer | None = None
         self.tried = False
 
@@ -118,7 +117,6 @@ class _Backstop:
             self.tried = True
             try:
                 self.timer = _ExitTimer(code)
-                self.code = code
             except (OSError, AttributeError):
                 self.timer = None
         return self.timer
@@ -129,7 +127,6 @@ class _Backstop:
         self.at = None
         self.timer = None
         self.tried = False
-        self.code = FAULTHANDLER_EXIT_CODE
 
 
 _backstop = _Backstop()
@@ -182,12 +179,6 @@ def cancel() -> None:
 def armed_at() -> float | None:
     """When (`time.monotonic()`) the armed backstop fires, or None."""
     return _backstop.at
-
-
-def exit_code(code: int) -> int:
-    """The code the backstop exits with here, when asked for `code`."""
-    _backstop.exit_timer(code)
-    return _backstop.code
 
 
 def _stderr_fd() -> int:
