@@ -1,0 +1,377 @@
+"""keras.distribution on TensorFlow: DataParallel and ModelParallel.
+
+Every case compares with one device: the same model, seed, data and global
+batch give the same losses and weights.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src.distribution import distribution_lib
+
+import keras_replicator as kr
+from keras_replicator._src.core import placements
+from tests import keras_io_distribution as guide
+
+TOL = 1e-5
+
+# The guide fits a tf.data.Dataset with Keras' default shuffle=True, on
+# which Keras warns.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`shuffle=True` was passed:UserWarning"
+)
+
+
+@pytest.fixture(autouse=True)
+def no_distribution():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _close(a, b, rtol=TOL):
+    a, b = np.asarray(a), np.asarray(b)
+    scale = max(float(np.max(np.abs(a))), 1e-6)
+    assert float(np.max(np.abs(a - b))) <= rtol * scale, (
+        float(np.max(np.abs(a - b))),
+        scale,
+    )
+
+
+def _same_weights(reference, model, rtol=TOL):
+    ref = reference.get_weights()
+    got = model.get_weights()
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got, strict=True):
+        assert a.shape == b.shape
+        _close(a, b, rtol)
+
+
+def _same_history(h0, h1, rtol=TOL):
+    assert h0.keys() == h1.keys()
+    for key in h0:
+        _close(h0[key], h1[key], rtol)
+
+
+def _mesh(shape, axes=("batch", "model")):
+    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
+    return keras.distribution.DeviceMesh(shape, axes, devices)
+
+
+def _model_parallel(shape, layouts, batch_dim_name="batch"):
+    layout_map = keras.distribution.LayoutMap(_mesh(shape))
+    for key, axes in layouts.items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name=batch_dim_name
+    )
+
+
+# --- keras.io's guide --------------------------------------------------------
+
+
+@functools.cache
+def _guide_reference():
+    keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(7)
+    return guide._train(0.0)
+
+
+def test_guide_data_parallel_is_a_local_replicator_with_one_devices_numbers():
+    reference, h0 = _guide_reference()
+    keras.utils.set_random_seed(7)
+    model, h1 = guide.data_parallel(dropout=0.0, use_mesh=True)
+    strategy = model.distribute_strategy
+    assert isinstance(strategy, kr.LocalReplicator)
+    assert strategy.num_replicas_in_sync == 8
+    shapes = kr.shard_shapes(model.get_layer("d1").kernel)
+    assert shapes == {f"cpu:{i}": (784, 200) for i in range(8)}
+    _same_history(h0, h1)
+    _same_weights(reference, model)
+
+
+def test_guide_model_parallel_shards_d1_and_gives_one_devices_numbers():
+    reference, h0 = _guide_reference()
+    keras.utils.set_random_seed(7)
+    model, h1 = guide.model_parallel(dropout=0.0)
+    assert model.distribute_strategy.num_replicas_in_sync == 8
+    kernel = model.get_layer("d1").kernel
+    assert kr.shard_shapes(kernel) == {f"cpu:{i}": (784, 50) for i in range(8)}
+    # Each device stores only its block, and so do Adam's slots... here the
+    # guide's default RMSprop: its velocity has the kernel's layout.
+    stored = [tuple(c.shape) for c in kernel._value.values]
+    assert stored == [(784, 50)] * 8
+    slots = [
+        v for v in model.optimizer.variables if placements.of(v) is not None
+    ]
+    assert [kr.shard_shapes(s)["cpu:3"] for s in slots] == [(784, 50)]
+    # The unmatched d2 is replicated whole.
+    d2 = kr.shard_shapes(model.get_layer("d2").kernel)
+    assert set(d2.values()) == {(200, 10)}
+    _same_history(h0, h1)
+    _same_weights(reference, model)
+    np.testing.assert_allclose(
+        model.predict(guide.dataset(), verbose=0),
+        reference.predict(guide.dataset(), verbose=0),
+        rtol=TOL,
+        atol=1e-6,
+    )
+
+
+def test_set_distribution_none_leaves_no_strategy():
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=guide.devices())
+    )
+    assert tf.distribute.has_strategy()
+    keras.distribution.set_distribution(None)
+    assert not tf.distribute.has_strategy()
+    with _model_parallel((2, 2), {"d/kernel": (None, "model")}).scope():
+        assert isinstance(tf.distribute.get_strategy(), kr.LocalReplicator)
+    assert not tf.distribute.has_strategy()
+
+
+# --- Optimizers and options on 2x2 and 1x4 meshes ---------------------------
+
+_LAYOUTS = {
+    # Both mesh axes (FSDP-like), one axis, and a vector.
+    "emb/embeddings": ("model", "batch"),
+    "d1/kernel": ("batch", "model"),
+    "d1/bias": ("model",),
+    "d2/kernel": ("model", None),
+}
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+    "global_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, global_clipnorm=0.05
+    ),
+    "accumulation": lambda: keras.optimizers.Adam(
+        0.01, gradient_accumulation_steps=2
+    ),
+}
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 32, size=(64, 6)).astype("int32")
+    y = rng.normal(size=(64, 4)).astype("float32")
+    return x, y
+
+
+def _embedding_model(make_optimizer):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(32, 8, name="emb")(inputs)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(h)
+    outputs = keras.layers.Dense(4, name="d2")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=make_optimizer(), loss="mse", metrics=["mae"])
+    return model
+
+
+def _fit(make_optimizer):
+    model = _embedding_model(make_optimizer)
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    return model, history.history
+
+
+@functools.cache
+def _reference(name):
+    keras.distribution.set_distribution(None)
+    return _fit(OPTIMIZERS[name])
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4)], ids=["2x2", "1x4"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_model_parallel_equals_one_device(name, shape):
+    reference, h0 = _reference(name)
+    keras.distribution.set_distribution(_model_parallel(shape, _LAYOUTS))
+    model, h1 = _fit(OPTIMIZERS[name])
+    assert placements.of(model.get_layer("emb").embeddings) is not None
+    _same_history(h0, h1)
+    _same_weights(reference, model)
+    # Optimizer state too (its slots are whole in get_weights' sense).
+    for a, b in zip(
+        reference.optimizer.variables, model.optimizer.variables, strict=True
+    ):
+        _close(a.numpy(), b.numpy())
+
+
+def test_embedding_is_sharded_as_laid_out_on_every_device():
+    keras.distribution.set_distribution(_model_parallel((2, 2), _LAYOUTS))
+    model = _embedding_model(OPTIMIZERS["adam"])
+    table = model.get_layer("emb").embeddings
+    assert kr.shard_shapes(table) == {f"cpu:{i}": (16, 4) for i in range(4)}
+    full = table.numpy()
+    # Device (b, m) holds rows block m, columns block b.
+    for replica, (b, m) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        np.testing.assert_array_equal(
+            table._value.values[replica].numpy(),
+            full[m * 16 : (m + 1) * 16, b * 4 : (b + 1) * 4],
+        )
+
+
+def test_train_on_batch_custom_train_step_evaluate_and_predict():
+    class Custom(keras.Model):
+        def train_step(self, data):
+            x, y = data[:2]
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(self(x) - y))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    def run():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(8, name="d1")(inputs)
+        model = Custom(inputs, keras.layers.Dense(4, name="d2")(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+        x = np.linspace(-1, 1, 96, dtype="float32").reshape(16, 6)
+        y = np.cos(x[:, :4])
+        logs = [float(model.train_on_batch(x, y)) for _ in range(2)]
+        logs.append(model.fit(x, y, batch_size=8, verbose=0).history["loss"])
+        return model, logs, model.predict(x, verbose=0)
+
+    reference, logs0, p0 = run()
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {"d1/kernel": (None, "model")})
+    )
+    model, logs1, p1 = run()
+    assert kr.shard_shapes(model.get_layer("d1").kernel)["cpu:0"] == (6, 2)
+    _close(np.hstack(logs0), np.hstack(logs1))
+    _same_weights(reference, model)
+    _close(p0, p1)
+
+
+def test_jit_compile_true_is_refused():
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {"d1/kernel": (None, "model")})
+    )
+    model = _embedding_model(OPTIMIZERS["adam"])
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    x, y = _data()
+    with pytest.raises(NotImplementedError, match="jit_compile=True"):
+        model.fit(x, y, batch_size=16, verbose=0)
+
+
+# --- Saved files are whole --------------------------------------------------
+
+
+def test_files_saved_under_a_mesh_load_on_one_device_and_data_parallel(
+    tmp_path,
+):
+    x, y = _data()
+    keras.distribution.set_distribution(_model_parallel((2, 2), _LAYOUTS))
+    model, _ = _fit(OPTIMIZERS["adam"])
+    expected = model.predict(x, verbose=0)
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+
+    keras.distribution.set_distribution(None)
+    one = keras.models.load_model(tmp_path / "m.keras")
+    assert not tf.distribute.has_strategy()
+    _close(one.predict(x, verbose=0), expected)
+    for a, b in zip(
+        model.optimizer.variables, one.optimizer.variables, strict=True
+    ):
+        _close(a.numpy(), b.numpy())
+
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()[:4]
+        )
+    )
+    data_parallel = _embedding_model(OPTIMIZERS["adam"])
+    # As on one device, a weights file holds the optimizer's state too:
+    # build the optimizer first.
+    data_parallel.optimizer.build(data_parallel.trainable_variables)
+    data_parallel.load_weights(tmp_path / "m.weights.h5")
+    _close(data_parallel.predict(x, verbose=0), expected)
+
+    # And back onto another mesh: 1x4 blocks from the whole file.
+    keras.distribution.set_distribution(_model_parallel((1, 4), _LAYOUTS))
+    again = keras.models.load_model(tmp_path / "m.keras")
+    assert kr.shard_shapes(again.get_layer("d1").kernel)["cpu:0"] == (48, 4)
+    _close(again.predict(x, verbose=0), expected)
+
+
+# --- Bad input ---------------------------------------------------------------
+
+
+def _build_dense(units, input_dim):
+    layer = keras.layers.Dense(units, name="d1")
+    layer.build((None, input_dim))
+    return layer
+
+
+def test_a_layout_axis_that_does_not_divide_the_dimension_is_named():
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {"d1/kernel": (None, "model")})
+    )
+    with pytest.raises(ValueError, match="does not divide") as info:
+        _build_dense(6, 8)
+    message = str(info.value)
+    for part in ("'d1/kernel'", "shape=(8, 6)", "(None, 'model')", "(1, 4)"):
+        assert part in message
+
+
+def test_an_axis_not_in_the_mesh_is_named():
+    layout_map = keras.distribution.LayoutMap(_mesh((1, 4)))
+    with pytest.raises(ValueError, match="modle"):
+        layout_map["d1/kernel"] = (None, "modle")
+    # A layout made before its mesh is known is checked with the variable.
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map["d1/kernel"] = (None, "modle")
+    distribution = keras.distribution.ModelParallel.__new__(
+        keras.distribution.ModelParallel
+    )
+    distribution_lib.Distribution.__init__(distribution, _mesh((1, 4)))
+    distribution._layout_map = layout_map
+    keras.distribution.set_distribution(distribution)
+    with pytest.raises(ValueError, match="'modle' is not an axis") as info:
+        _build_dense(8, 8)
+    assert "'d1/kernel'" in str(info.value)
+
+
+def test_a_layout_of_another_rank_is_named():
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {"d1/kernel": ("model",)})
+    )
+    with pytest.raises(ValueError, match="2 dimensions") as info:
+        _build_dense(8, 8)
+    assert "layout=('model',)" in str(info.value)
+
+
+def test_a_mesh_larger_than_the_devices_is_refused_before_training():
+    names = [f"cpu:{i}" for i in range(16)]
+    mesh = keras.distribution.DeviceMesh((4, 4), ("batch", "model"), names)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    with pytest.raises(ValueError, match="16 devices but only 8") as info:
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map)
+        )
+    assert "(4, 4)" in str(info.value)
+    assert not tf.distribute.has_strategy()
+
+
+def test_an_unknown_distribution_raises_not_implemented():
+    with pytest.raises(NotImplementedError, match="Received: distribution"):
+        keras.distribution.set_distribution(
+            distribution_lib.Distribution(_mesh((4,), ("batch",)))
+        )
+
+
+def test_distribute_tensor_and_device_count():
+    assert keras.distribution.get_device_count() == 8
+    layout = keras.distribution.TensorLayout(("batch", None), _mesh((4, 2)))
+    x = tf.ones((4, 3))
+    assert keras.distribution.distribute_tensor(x, layout) is x
