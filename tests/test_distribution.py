@@ -196,6 +196,10 @@ def test_model_parallel_equals_one_device(name, shape):
     keras.distribution.set_distribution(_model_parallel(shape, _LAYOUTS))
     model, h1 = _fit(OPTIMIZERS[name])
     assert placements.of(model.get_layer("emb").embeddings) is not None
+    # Layers that multiply by sharded weights are rematerialised (their
+    # gathered weights are not kept for the backward pass); a lookup not.
+    assert model.get_layer("d1")._keras_replicator_remat
+    assert not hasattr(model.get_layer("emb"), "_keras_replicator_remat")
     _same_history(h0, h1)
     _same_weights(reference, model)
     # Optimizer state too (its slots are whole in get_weights' sense).

@@ -17,7 +17,8 @@ Several behaviours need these entry points, and one patch owns them:
 - A model with variables `keras.distribution.ModelParallel` stores in
   blocks refuses `jit_compile=True` (`NotImplementedError`): XLA on a
   replica cannot hold the all-gathers that read those variables. Keras'
-  own `"auto"` resolves to False under tf.distribute.
+  own `"auto"` resolves to False under tf.distribute. Its layers that own
+  such variables are rematerialised for `fit` (`distribution/remat.py`).
 
 Everything else, including every model under no strategy or a stock
 `tf.distribute` strategy, runs Keras' stock method unchanged.
@@ -31,6 +32,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
+from keras_replicator._src.distribution import remat
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
@@ -61,7 +63,7 @@ def _check_jit(model, name):
             f"`{name}` with `jit_compile=True` is not supported for a model "
             "whose variables `keras.distribution.ModelParallel` shards on "
             "TensorFlow: XLA cannot hold the all-gathers that read them. "
-            "Compile with `jit_compile=False` (or the default `\"auto\"`). "
+            'Compile with `jit_compile=False` (or the default `"auto"`). '
             f"Received: jit_compile={model.jit_compile!r}"
         )
 
@@ -81,6 +83,8 @@ def _dispatch(name):
         if not traits.is_in_graph(strategy):
             return original(self, *args, **kwargs)
         _check_jit(self, name)
+        if name == "fit" and placements.any_sharded(self.variables):
+            remat.rematerialize(self)
         if name == "fit":
             with preemption.fit_scope(self):
                 with hang_watchdog.watching(
