@@ -1,4 +1,18 @@
-"""Peak memory and step time with and without sharded optimizer state.
+"""Peak memory and step time: sharded optimizer state; ModelParallel.
+
+Two suites (`--suite`):
+
+`model_parallel`: an MLP of four Dense(D) layers on D inputs (D=2048: 16.8M
+parameters), Adam, global batch 64, under `keras.distribution.DataParallel`
+and `ModelParallel` on the same 4 devices, every kernel laid out
+`(None, "model")` on a 1x4 mesh. One process per run; `--pairs` alternating
+DataParallel/ModelParallel pairs; reports the median (min, max) of the
+per-pair peak-RSS difference and step-time ratio ModelParallel/DataParallel,
+and ModelParallel's weights against one device.
+
+    python benchmarks/memory.py --suite model_parallel [--pairs 5]
+
+`sharded_state` (the default):
 
 Trains an MLP (Dense widths W, 2W, 2W, W on W inputs; W=1024 gives 8.4M
 parameters) with Adam, global batch 64, under `kr.LocalReplicator(N)` and
@@ -15,6 +29,7 @@ sharded/unsharded (goal >= 0.9).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,7 +62,10 @@ def _worker(args):
     w = args.width
     x = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
     y = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
-    if args.replicas == 0:
+    if args.distribution != "none":
+        _set_distribution(args.distribution)
+        scope = contextlib.nullcontext()
+    elif args.replicas == 0:
         scope = tf.device("CPU:0")
     else:
         scope = kr.LocalReplicator(
@@ -55,14 +73,20 @@ def _worker(args):
         ).scope()
     with scope:
         keras.utils.set_random_seed(1)
-        model = keras.Sequential(
-            [
-                keras.Input((w,)),
+        if args.model == "dense4":
+            layers = [
+                keras.layers.Dense(
+                    w, activation="relu" if i < 3 else None, name=f"d{i}"
+                )
+                for i in range(4)
+            ]
+        else:
+            layers = [
                 keras.layers.Dense(2 * w, activation="relu"),
                 keras.layers.Dense(2 * w, activation="relu"),
                 keras.layers.Dense(w),
             ]
-        )
+        model = keras.Sequential([keras.Input((w,)), *layers])
         model.compile(keras.optimizers.Adam(1e-3), "mse")
 
     ends = []
@@ -98,7 +122,27 @@ def _worker(args):
     print(json.dumps(result))
 
 
-def _run(width, steps, replicas, sharded, out):
+def _set_distribution(name):
+    """Keras' DataParallel or ModelParallel (1x4) on 4 devices."""
+    import keras
+
+    devices = keras.distribution.list_devices()[:4]
+    if name == "data_parallel":
+        distribution = keras.distribution.DataParallel(devices=devices)
+    else:
+        mesh = keras.distribution.DeviceMesh(
+            (1, 4), ("batch", "model"), devices
+        )
+        layout_map = keras.distribution.LayoutMap(mesh)
+        # Sequential paths: "sequential/d0/kernel".
+        layout_map[r".*/d\d/kernel"] = (None, "model")
+        distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    keras.distribution.set_distribution(distribution)
+
+
+def _run(width, steps, replicas, sharded, out, model="mlp3", distribution=None):
     command = [
         sys.executable,
         os.path.abspath(__file__),
@@ -107,6 +151,8 @@ def _run(width, steps, replicas, sharded, out):
         f"--steps={steps}",
         f"--replicas={replicas}",
         f"--out={out}",
+        f"--model={model}",
+        f"--distribution={distribution or 'none'}",
     ] + (["--sharded"] if sharded else [])
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -138,9 +184,23 @@ def main():
     parser.add_argument("--replicas", type=int, default=0)
     parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--suite",
+        choices=("sharded_state", "model_parallel"),
+        default="sharded_state",
+    )
+    parser.add_argument("--model", choices=("mlp3", "dense4"), default="mlp3")
+    parser.add_argument(
+        "--distribution",
+        choices=("none", "data_parallel", "model_parallel"),
+        default="none",
+    )
     args = parser.parse_args()
     if args.worker:
         _worker(args)
+        return
+    if args.suite == "model_parallel":
+        _model_parallel_suite(args)
         return
     w = args.width
     params = w * 2 * w + 4 * w * w + 2 * w * w + 5 * w
@@ -197,6 +257,69 @@ def main():
             "(= sharded rate / unsharded rate)",
             ratios,
         )
+    )
+
+
+def _model_parallel_suite(args):
+    """DataParallel vs ModelParallel (1x4) on 4 devices, alternating."""
+    import numpy as np
+
+    w = 2048 if args.width == 1024 else args.width
+    print(label())
+    print(
+        f"MLP of 4 Dense({w}) on {w} inputs ({4 * (w * w + w) / 1e6:.1f}M "
+        f"parameters), Adam, global batch {GLOBAL_BATCH}, {args.steps} "
+        "steps, 4 devices; ModelParallel lays every kernel out "
+        '(None, "model") on a 1x4 mesh; one process per run'
+    )
+    tmp = tempfile.mkdtemp()
+
+    def run(distribution, name):
+        return _run(
+            w,
+            args.steps,
+            0,
+            False,
+            os.path.join(tmp, f"{name}.npz"),
+            model="dense4",
+            distribution=distribution,
+        )
+
+    one = run(None, "one_device")
+    print(_row("one device", one))
+    saved, ratios = [], []
+    for i in range(args.pairs):
+        # Alternate which goes first, so drift favours neither.
+        order = ("model_parallel", "data_parallel")
+        if i % 2:
+            order = order[::-1]
+        pair = {d: run(d, d) for d in order}
+        for d in order:
+            print(_row(f"pair {i + 1} {d}", pair[d]))
+        saved.append(
+            pair["data_parallel"]["peak_rss_mb"]
+            - pair["model_parallel"]["peak_rss_mb"]
+        )
+        ratios.append(
+            pair["model_parallel"]["step_ms"] / pair["data_parallel"]["step_ms"]
+        )
+    print(
+        summary(
+            "peak RSS DataParallel - ModelParallel (MB, goal >= 400)", saved
+        )
+    )
+    print(
+        summary("step time ModelParallel / DataParallel (goal <= 1.5)", ratios)
+    )
+    difference = _max_difference(
+        os.path.join(tmp, "model_parallel.npz"),
+        os.path.join(tmp, "one_device.npz"),
+    )
+    reference = np.load(os.path.join(tmp, "one_device.npz"))
+    scale = max(float(np.abs(reference[k]).max()) for k in reference.files)
+    print(
+        "max |weight difference| ModelParallel vs one device: "
+        f"{difference:.2e} (relative {difference / scale:.1e}, goal 1e-5)"
     )
 
 
