@@ -379,3 +379,18 @@ def test_distribute_tensor_and_device_count():
     layout = keras.distribution.TensorLayout(("batch", None), _mesh((4, 2)))
     x = tf.ones((4, 3))
     assert keras.distribution.distribute_tensor(x, layout) is x
+
+
+def test_a_constraint_on_a_sharded_variable_is_refused():
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {"d1/kernel": (None, "model")})
+    )
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(
+        8, name="d1", kernel_constraint=keras.constraints.MaxNorm(1.0)
+    )(inputs)
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    x = np.ones((8, 8), "float32")
+    with pytest.raises(NotImplementedError, match="d1/kernel"):
+        model.fit(x, x, batch_size=8, verbose=0)

@@ -504,6 +504,23 @@ def _apply_with_blocks(
             "`strategy.run`, or with `gradient_reduction='sum'`, is not "
             f"supported. Received: optimizer={type(optimizer).__name__}"
         )
+    constrained = [
+        v.path
+        for v, b in zip(
+            trainable_variables or optimizer._trainable_variables,
+            blocks,
+            strict=True,
+        )
+        if b and v.constraint is not None
+    ]
+    if constrained:
+        # A constraint would see a block (a norm over a split axis would be
+        # the block's norm).
+        raise NotImplementedError(
+            "Weight constraints on variables sharded by `keras.distribution."
+            "ModelParallel` are not supported; leave them out of the layout "
+            f"map or drop the constraint. Received: variables={constrained}"
+        )
     grads = list(grads)
     if len(grads) != len(blocks):
         raise ValueError(
