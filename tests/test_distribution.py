@@ -394,3 +394,21 @@ def test_a_constraint_on_a_sharded_variable_is_refused():
     x = np.ones((8, 8), "float32")
     with pytest.raises(NotImplementedError, match="d1/kernel"):
         model.fit(x, x, batch_size=8, verbose=0)
+
+
+def test_tf_train_checkpoint_holds_whole_values_and_export_is_refused(
+    tmp_path,
+):
+    keras.distribution.set_distribution(_model_parallel((2, 2), _LAYOUTS))
+    model = _embedding_model(OPTIMIZERS["adam"])
+    kernel = model.get_layer("d1").kernel
+    expected = kernel.numpy()
+    path = tf.train.Checkpoint(kernel=kernel).write(str(tmp_path / "ckpt"))
+    assert tf.train.load_variable(
+        path, "kernel/.ATTRIBUTES/VARIABLE_VALUE"
+    ).shape == (48, 16)
+    kernel.assign(np.zeros_like(expected))
+    tf.train.Checkpoint(kernel=kernel).read(path).assert_consumed()
+    np.testing.assert_array_equal(kernel.numpy(), expected)
+    with pytest.raises(NotImplementedError, match="SavedModel"):
+        model.export(str(tmp_path / "exported"))

@@ -113,6 +113,41 @@ def _assign(original, self, value):
     return sharded.assign(self, value)
 
 
+def _shared_name(original, self):
+    if placements.of(self) is None:
+        return original(self)
+    return self._value._shared_name
+
+
+def _serialize_to_tensors(original, self):
+    if placements.of(self) is None:
+        return original(self)
+    # `tf.train.Checkpoint` writes the whole value, as Keras' files do.
+    return {"VARIABLE_VALUE": sharded.full_value(self)}
+
+
+def _restore_from_tensors(original, self, restored_tensors):
+    if placements.of(self) is None:
+        return original(self, restored_tensors)
+    return sharded.assign(self, restored_tensors["VARIABLE_VALUE"])
+
+
+def _no_saved_model(name):
+    def refuse(original, self, *args, **kwargs):
+        if placements.of(self) is None:
+            return original(self, *args, **kwargs)
+        raise NotImplementedError(
+            "Exporting a SavedModel (`model.export`, `tf.saved_model.save`) "
+            "of variables sharded by `keras.distribution.ModelParallel` is "
+            "not supported; save with `model.save` or `save_weights` (whole "
+            "values) and export from a model loaded on one device. "
+            f"Received: variable path={self.path!r}"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
 def _var_key(original, self, variable):
     if placements.of(variable) is not None:
         variable = variable._value
@@ -220,6 +255,21 @@ PATCH = registry.register(
             registry.Target(_Variable, "handle", _handle),
             registry.Target(_Variable, "_direct_assign", _direct_assign),
             registry.Target(_Variable, "assign", _assign),
+            registry.Target(_Variable, "_shared_name", _shared_name),
+            registry.Target(
+                _Variable, "_serialize_to_tensors", _serialize_to_tensors
+            ),
+            registry.Target(
+                _Variable, "_restore_from_tensors", _restore_from_tensors
+            ),
+            *(
+                registry.Target(_Variable, name, _no_saved_model(name))
+                for name in (
+                    "_write_object_proto",
+                    "_export_to_saved_model_graph",
+                    "_copy_trackable_to_cpu",
+                )
+            ),
             registry.Target(tf_optimizer.TFOptimizer, "_var_key", _var_key),
             registry.Target(
                 _Base, "_backend_apply_gradients", _backend_apply_gradients
