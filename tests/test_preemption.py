@@ -11,6 +11,7 @@ Real processes (SIGKILL mid-backup, simulated Slurm, the launcher) are in
 """
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -26,23 +27,6 @@ from tests.helpers import assert_weights_close
 from tests.multi_worker import preempt_reference as ref
 
 STOP_AT = 11  # step 3 of the second epoch
-# KNOWN BUG, not fixed yet: resuming `replicator.distribute` data mid-epoch
-# ends about 1e-4 from the uninterrupted run in roughly one run in ten (more
-# on a loaded machine; seen since commit 658238b at least). In a failing run
-# the resumed steps got exactly the uninterrupted run's batches, so the data
-# replay is exact and the saved or restored state is suspect. Kept running
-# (not strict) so that a fix shows as XPASS; the other data kinds guard
-# the exact resume meanwhile.
-DISTRIBUTE_FLAKY = pytest.param(
-    "distribute",
-    marks=pytest.mark.xfail(
-        reason="known flaky resume with replicator.distribute data",
-        strict=False,
-    ),
-)
-# `replicator.distribute` data has no known cardinality: Keras warns at the
-# end of the first epoch, then knows its length.
-pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data")
 
 
 def _fit(
@@ -86,31 +70,72 @@ def _metadata(backup_dir):
         return json.load(f)
 
 
+def _digests(caplog):
+    """The backups' debug log, in order: (what happened, digest) pairs."""
+    return [
+        tuple(r.getMessage().split(", ", 1))
+        for r in caplog.records
+        if r.name == "keras_replicator" and r.getMessage().startswith("backup ")
+    ]
+
+
 @pytest.fixture(scope="module")
 def references():
     return {kind: _fit(kind, None, backup=False)[0] for kind in ref.DATA_KINDS}
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [DISTRIBUTE_FLAKY if k == "distribute" else k for k in ref.DATA_KINDS],
-)
+@pytest.mark.parametrize("kind", ref.DATA_KINDS)
 def test_sigterm_saves_at_the_step_and_resume_is_exact(
-    kind, references, tmp_path
+    kind, references, tmp_path, caplog
 ):
     backup_dir = str(tmp_path / "backup")
     handler = signal.getsignal(signal.SIGTERM)
+    caplog.set_level(logging.DEBUG, logger="keras_replicator")
     assert _preempted(kind, backup_dir, stop_at=STOP_AT) == 75
     assert signal.getsignal(signal.SIGTERM) is handler
     ours = _metadata(backup_dir)["keras_replicator"]
     assert (ours["epoch"], ours["steps_done"]) == (1, 3)
 
     weights, trained = _fit(kind, backup_dir)
+    # The debug log: what the last save carried is what the restore read,
+    # 11 optimizer steps.
+    lines = _digests(caplog)
+    restored = next(
+        i for i, (what, _) in enumerate(lines) if "restored" in what
+    )
+    assert lines[restored - 1][0].startswith("backup saved to")
+    assert lines[restored - 1][1] == lines[restored][1]
+    assert lines[restored][1].startswith(
+        "after step 3 of epoch 2: {'iterations': 11,"
+    )
     # Only the steps not done yet, numbered as in an uninterrupted run.
     assert trained[0] == (1, 3)
     assert len(trained) == ref.TOTAL_STEPS - STOP_AT
     assert_weights_close(weights, references[kind])
     assert not os.path.exists(backup_dir)  # Keras deletes it at the end
+
+
+def test_distribute_data_trains_one_optimizer_step_per_batch(references):
+    # Keras knows the number of steps, so it never runs its train function
+    # on the exhausted iterator: that call raced the end-of-data error and
+    # sometimes counted an optimizer step without data (9 per epoch of 8).
+    replicator = kr.LocalReplicator(2)
+    model = ref.build(replicator)
+    model.fit(
+        **ref.fit_inputs("distribute", replicator),
+        epochs=ref.EPOCHS,
+        verbose=0,
+    )
+    assert int(model.optimizer.iterations.numpy()) == ref.TOTAL_STEPS
+    assert_weights_close(model.get_weights(), references["distribute"])
+    # One device, fed by the same sharder: the same batches, the same
+    # weights.
+    one = kr.LocalReplicator(1)
+    single = ref.build(one)
+    single.fit(
+        **ref.fit_inputs("distribute", one), epochs=ref.EPOCHS, verbose=0
+    )
+    assert_weights_close(single.get_weights(), references["distribute"])
 
 
 def test_configured_signal_and_an_epoch_end_backup(references, tmp_path):
@@ -126,7 +151,7 @@ def test_configured_signal_and_an_epoch_end_backup(references, tmp_path):
     assert_weights_close(weights, references["dataset"])
 
 
-@pytest.mark.parametrize("kind", ["arrays", DISTRIBUTE_FLAKY])
+@pytest.mark.parametrize("kind", ["arrays", "distribute"])
 def test_a_backup_resumes_on_another_replica_count(
     kind, references, tmp_path, capfd
 ):

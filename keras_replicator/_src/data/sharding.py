@@ -146,7 +146,7 @@ class ShardedInput:
         static_shapes: Whether every batch has a fully known static shape.
         shuffle_seed: The shuffle seed, or `None` for the dataset's order.
         steps_per_epoch: Steps of one pass, once a pipeline is built, when
-            known (static shapes or padding, and a countable dataset).
+            known (a countable dataset, or several pipelines).
         policies: How the source was split, by number of pipelines:
             `"file"`, `"element"` or `"input_fn"` (the function sharded).
     """
@@ -238,7 +238,13 @@ class ShardedInput:
         else:
             dataset = _eval_batches(dataset, per_pipeline, steps, padded)
         whole_steps = self.static_shapes or padded
-        self.steps_per_epoch = steps if whole_steps else None
+        # Known steps, also with a partial last batch: Keras then never calls
+        # its train function on the exhausted iterator. That call's update
+        # ops do not wait for the end-of-data error, so they may or may not
+        # run first: the optimizer's `iterations` grew by one at an epoch's
+        # end, or not, depending on thread timing (a resumed run then ended
+        # 1e-4 to 1e-3 from an uninterrupted one).
+        self.steps_per_epoch = steps
         if per_pipeline != per_replica:
             # The pipeline batches a whole step first so that every local
             # replica gets a batch on every step, then splits it.
@@ -491,8 +497,10 @@ def distribute(
         distributed, "_cardinality"
     ):
         # TF reports the cardinality of the pipeline's dataset, which counts
-        # per-replica batches; Keras reads it as steps, expects too many and
-        # warns "Your input ran out of data". Report steps instead.
+        # per-replica batches (or is unknown); Keras reads it as steps,
+        # expects too many (or learns the number by running out), and calls
+        # its train function once more than there are steps: see
+        # `ShardedInput.__call__`. Report steps instead.
         distributed._cardinality = input_fn.steps_per_epoch  # noqa: SLF001
     if input_fn.padded_eval:
         # Keras evaluate leaves this dataset's padding out; see

@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
 from collections.abc import Iterator
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.callbacks import callback_list
@@ -63,6 +65,7 @@ METADATA_KEY = "keras_replicator"
 PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
 _METADATA_FILE = "training_metadata.json"
+_logger = logging.getLogger("keras_replicator")
 
 
 class _Run:
@@ -234,6 +237,7 @@ def _save_atomically(original, self, run: _Run):
                     shutil.copy(current, getattr(self, name) + ".bkp")
     with _paths_in(self, partial):
         original(self)
+        _log_state(f"saved to {target}", self.model, run.epoch, run.done)
         with open(self._training_metadata_path) as f:
             metadata = json.load(f)
         metadata["epoch"] = run.epoch
@@ -272,10 +276,57 @@ def _load_model(original, self):
         # Without our entry (a backup of stock Keras) the fit starts at the
         # saved epoch's first step, as in Keras.
         run.resume = metadata.get(METADATA_KEY)
+        done = run.resume or {}
+        _log_state(
+            f"restored from {source}",
+            self.model,
+            done.get("epoch", metadata.get("epoch", 0)),
+            done.get("steps_done", 0),
+        )
         if run.resume:
             run.resume["backup_dir"] = target
             _note_topology(run)
     return None
+
+
+def state_digest(model) -> dict:
+    """Checksums of what a backup carries, to compare a save and a restore.
+
+    Returns:
+        `iterations` (the optimizer's step count), and `weights` and
+        `optimizer`: sums of the absolute values of the model's weights and
+        of the optimizer's variables, in float64.
+    """
+
+    def total(variables):
+        return float(
+            sum(
+                np.abs(np.asarray(v.numpy(), np.float64)).sum()
+                for v in variables
+            )
+        )
+
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(optimizer.variables) if optimizer is not None else []
+    return {
+        "iterations": (
+            int(optimizer.iterations.numpy()) if optimizer is not None else None
+        ),
+        "weights": total(model.weights),
+        "optimizer": total(variables),
+    }
+
+
+def _log_state(what: str, model, epoch: int, done: int) -> None:
+    """Debug log: a save and its restore must print the same digest."""
+    if _logger.isEnabledFor(logging.DEBUG):
+        _logger.debug(
+            "backup %s, after step %d of epoch %d: %s",
+            what,
+            done,
+            epoch + 1,
+            state_digest(model),
+        )
 
 
 # The topology: recorded in every backup, checked on resume.
