@@ -10,8 +10,11 @@ topology:
   3/3/2) resumed on 2 workers: fewer replicas, local to workers.
 
 Both must train only the steps not done yet and end with the weights of
-an uninterrupted fit on one device (1e-5). Workers run
-`workers/preempt_worker.py`.
+an uninterrupted fit on one device (1e-5). A real 2-worker backup of
+`replicator.distribute(..., shuffle_seed=1)` data (each worker shuffles its
+own shard, so a step's examples depend on the number of workers) resumed
+in one process must raise the documented `ValueError` inside an epoch and
+resume at an epoch end. Workers run `workers/preempt_worker.py`.
 """
 
 import json
@@ -47,12 +50,12 @@ def one_device():
     return ref.reference_weights()
 
 
-def _fit(replicator, backup, at_step=None):
+def _fit(replicator, backup, at_step=None, kind="arrays"):
     """The plain fit of the workers, here; its weights and steps trained."""
     model = ref.build(replicator)
     probe = ref.Probe(at_step)
     model.fit(
-        **ref.fit_inputs("arrays", replicator),
+        **ref.fit_inputs(kind, replicator),
         epochs=ref.EPOCHS,
         callbacks=[keras.callbacks.BackupAndRestore(str(backup)), probe],
         verbose=0,
@@ -143,3 +146,57 @@ def test_three_local_replicas_preempted_then_resumed_on_two_workers(
         assert ref.step_of(result["trained"][0]) == STOP_AT
         assert len(result["trained"]) == ref.TOTAL_STEPS - STOP_AT
         ref.assert_weights(result, one_device)
+
+
+@pytest.mark.timeout(400)
+def test_a_two_worker_backup_of_distribute_data_resumed_in_one_process(
+    tmp_path,
+):
+    backup = tmp_path / "backup"
+    run = _launch(
+        backup,
+        tmp_path,
+        "workers",
+        {
+            "PREEMPT_DATA": "distribute",
+            "PREEMPT_MARK": str(tmp_path / "m{index}"),
+            "PREEMPT_MARK_STEP": str(STOP_AT),
+        },
+    )
+    for index in (0, 1):
+        harness.wait_for_pid_file(tmp_path / f"m{index}", run)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=90) == preemption.EXIT_CODE, run.output()[-4000:]
+    saved = ref.backup_step(backup)
+    assert ref.STEPS_PER_EPOCH < saved <= 2 * ref.STEPS_PER_EPOCH, saved
+    metadata = json.loads((backup / "training_metadata.json").read_text())
+    ours = metadata["keras_replicator"]
+    assert ours["topology"] == {
+        "replicator": "MultiWorkerReplicator",
+        "workers": 2,
+        "replicas": 2,
+    }
+    assert ours["order_by_workers"] is True
+    assert ours["num_batches"] == ref.STEPS_PER_EPOCH
+    epoch, done = divmod(saved, ref.STEPS_PER_EPOCH)
+
+    if done:
+        # Inside the second epoch: finishing it on one worker would train
+        # other examples than the 2 workers' shards still hold.
+        with pytest.raises(ValueError) as info:
+            _fit(kr.LocalReplicator(2), backup, kind="distribute")
+        message = str(info.value)
+        assert (
+            f"written after step {done} of epoch {epoch + 1} on "
+            "MultiWorkerReplicator (2 workers, 2 replicas), and on "
+            "LocalReplicator (2 replicas) its data" in message
+        )
+        assert "on another number of workers" in message
+        assert f"Received: backup_dir={str(backup)!r}" in message
+        # Nothing was trained or written: the backup is still there.
+        assert ref.backup_step(backup) == saved
+    else:
+        # At the second epoch's end: the third starts afresh here.
+        _, trained = _fit(kr.LocalReplicator(2), backup, kind="distribute")
+        assert trained[0] == (epoch, 0)
+        assert len(trained) == ref.TOTAL_STEPS - saved
