@@ -374,6 +374,38 @@ def test_an_unknown_distribution_raises_not_implemented():
         )
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"job_addresses": "a:1,b:2", "num_processes": 2, "process_id": 2},
+            "process_id=2, num_processes=2",
+        ),
+        (
+            {"job_addresses": "a:1", "num_processes": 2, "process_id": 1},
+            "1 job_addresses='a:1', num_processes=2",
+        ),
+        (
+            {"job_addresses": "a:1,b:2", "num_processes": 2},
+            "process_id=None, num_processes=2",
+        ),
+        ({"num_processes": 0}, "num_processes=0"),
+        ({"num_processes": 1, "process_id": 3}, "process_id=3"),
+    ],
+)
+def test_initialize_with_inconsistent_arguments_names_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        keras.distribution.initialize(**kwargs)
+    assert distribution_lib.distribution_lib.num_processes() == 1
+
+
+def test_initialize_with_one_process_changes_nothing():
+    keras.distribution.initialize(num_processes=1, process_id=0)
+    assert distribution_lib.distribution_lib.num_processes() == 1
+    assert distribution_lib.distribution_lib.process_id() == 0
+    assert keras.distribution.list_devices()[0] == "cpu:0"
+
+
 def test_distribute_tensor_and_device_count():
     assert keras.distribution.get_device_count() == 8
     layout = keras.distribution.TensorLayout(("batch", None), _mesh((4, 2)))

@@ -7,6 +7,7 @@ Keras hooks are the patches `keras_distribution` and `sharded_variables`.
 
 from __future__ import annotations
 
+from keras_replicator._src.distribution import processes
 from keras_replicator._src.distribution import runtime
 from keras_replicator._src.distribution import sharded
 from keras_replicator._src.patches import keras_distribution
@@ -22,4 +23,7 @@ def enable() -> None:
     used before any replicator exists.
     """
     keras_distribution.set_replicator_factory(runtime.replicator_for)
+    keras_distribution.set_process_hooks(
+        processes.initialize, processes.current
+    )
     registry.install([keras_distribution.PATCH.name])

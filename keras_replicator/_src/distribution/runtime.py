@@ -8,6 +8,10 @@ its replicas, exactly as under `with replicator.scope():`.
 
 - `DataParallel` over a mesh of N devices is `LocalReplicator(devices=...)`
   over those devices: the same numbers and features.
+- After `keras.distribution.initialize()` joined several processes
+  (`processes.py`), a mesh spans every process's devices and runs on a
+  `MultiWorkerReplicator`; each process feeds its own part of the data,
+  as Keras' `Distribution.distribute_dataset` cuts it.
 - `ModelParallel` is the same replicator (every device computes 1/N of the
   batch) plus block storage for the variables its layout map splits
   (`sharded.py`).
@@ -19,11 +23,14 @@ import weakref
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 from keras.src.distribution import distribution_lib
 
 from keras_replicator._src.core import placements
+from keras_replicator._src.distribution import processes
 from keras_replicator._src.distribution import sharded
 from keras_replicator._src.replicators import local
+from keras_replicator._src.replicators import multi_worker
 
 # Distribution -> its replicator. Weak: a distribution dropped by the user
 # lets its replicator go.
@@ -62,7 +69,32 @@ def check_mesh(mesh) -> list[str]:
             "The device mesh names a device twice. Received: mesh "
             f"devices={names}"
         )
+    if processes.current() is not None:
+        return _check_process_order(mesh, names, available)
     return ["/" + sharded.short_device_name(d) for d in names]
+
+
+def _check_process_order(mesh, names, available) -> list[str]:
+    """A mesh over several processes: every device, in replica order.
+
+    Block `r` of a sharded variable lives on replica `r` of the
+    `MultiWorkerReplicator`, whose replicas are the processes' devices in
+    process order: the mesh's flat order must be that order.
+
+    Raises:
+        NotImplementedError: For a mesh over some of the processes'
+            devices, or in another order.
+    """
+    short = [sharded.short_device_name(d) for d in names]
+    if short != [sharded.short_device_name(d) for d in available]:
+        raise NotImplementedError(
+            "Over several processes a device mesh must hold every device of "
+            "every process, in `keras.distribution.list_devices()` order "
+            "(process by process); a mesh over a subset or another order is "
+            f"not supported. Received: mesh shape={tuple(mesh.shape)}, "
+            f"devices={short}; the devices are {available}"
+        )
+    return list(available)
 
 
 def replicator_for(distribution: Any):
@@ -85,7 +117,70 @@ def replicator_for(distribution: Any):
             f"supported. Received: distribution={distribution!r}"
         )
     devices = check_mesh(distribution.device_mesh)
-    replicator = local.LocalReplicator(devices=devices)
+    joined = processes.current()
+    if joined is None:
+        replicator = local.LocalReplicator(devices=devices)
+    else:
+        replicator = ProcessReplicator(
+            cluster=joined.cluster,
+            replicas_per_worker=joined.replicas_per_worker,
+        )
     setattr(replicator, placements.DISTRIBUTION_ATTR, distribution)
     _REPLICATORS[distribution] = replicator
     return replicator
+
+
+class ProcessReplicator(multi_worker.MultiWorkerReplicator):
+    """The `MultiWorkerReplicator` of a mesh over several processes.
+
+    Keras feeds each process its own part of every global batch
+    (`Distribution.distribute_dataset` cuts it by `process_id`, or the user
+    does with `auto_shard_dataset=False`, as on JAX), so a dataset here is
+    this process's batches: they are split over its replicas in order and
+    never sharded again across workers. Process p's replicas then see
+    the examples of global replicas p * k ... p * k + k - 1, as one device
+    sees the global batch.
+    """
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Splits this process's batches over its replicas, in order.
+
+        Raises:
+            tf.errors.InvalidArgumentError: When a batch does not divide
+                over the replicas (naming both numbers).
+        """
+        count = len(self.extended.worker_devices)
+
+        def split(*element):
+            element = element[0] if len(element) == 1 else element
+            size = tf.shape(tf.nest.flatten(element)[0])[0]
+            check = tf.debugging.Assert(
+                tf.equal(size % count, 0),
+                [
+                    f"This process's batch does not divide over its {count} "
+                    f"replicas. Received: replicas per process={count}, "
+                    "batch size=",
+                    size,
+                ],
+            )
+            with tf.control_dependencies([check]):
+                pieces = tf.nest.map_structure(
+                    lambda t: tf.reshape(
+                        t,
+                        tf.concat([[count, -1], tf.shape(t)[1:]], 0),
+                    ),
+                    element,
+                )
+            return tf.data.Dataset.from_tensor_slices(pieces)
+
+        per_replica = dataset.flat_map(split)
+        batches = int(dataset.cardinality())
+        if batches >= 0:
+            # Keeps the count `fit` reads its steps from (see
+            # `patches/keras_distribution.py`).
+            per_replica = per_replica.apply(
+                tf.data.experimental.assert_cardinality(batches * count)
+            )
+        return self.distribute_datasets_from_function(
+            lambda ctx: per_replica, options
+        )

@@ -22,7 +22,10 @@ Outside a replica step (`get_weights`, `save_weights`, `numpy()`, a
 checkpoint) the value is assembled from the components on the host
 (`full_value`), and an assignment cuts the new value into blocks
 (`assign`), so files hold whole values and load on any mesh or on one
-device.
+device. Over several processes a process holds only its replicas'
+components: the full value is one all-gather (a collective, so every
+process must read it together, as `fit`'s callbacks and `save_weights` on
+every process do), and an assignment writes the local blocks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from keras.src.distribution import distribution_lib
 from keras_replicator._src import collectives
 from keras_replicator._src.core import placements
 from keras_replicator._src.distribution import layout as layout_lib
+from keras_replicator._src.distribution import processes
 from keras_replicator._src.patches import replica_mean
 
 
@@ -102,16 +106,32 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
                 aggregation=variable._map_aggregation(variable.aggregation),
             )
         components = list(stored.values)
-        if len(components) != len(blocks):
+        if strategy.num_replicas_in_sync != len(blocks):
             raise ValueError(
                 f"The mesh has {len(blocks)} devices but the replicator "
-                f"running it {len(components)} replicas. Received: variable "
-                f"path={variable.path!r}"
+                f"running it {strategy.num_replicas_in_sync} replicas. "
+                f"Received: variable path={variable.path!r}"
             )
-        for component, block in zip(components[1:], blocks[1:], strict=True):
-            component.assign(block)
+        for component, r in zip(
+            components, _local_replicas(strategy), strict=True
+        ):
+            if r:
+                component.assign(blocks[r])
         del full
     return stored
+
+
+def _local_replicas(strategy) -> list[int]:
+    """The global replica ids of this process's replicas, in order."""
+    count = len(strategy.extended.worker_devices)
+    first = getattr(strategy.extended, "_id_in_cluster", 0) * count
+    return list(range(first, first + count))
+
+
+def _multi_process(strategy) -> bool:
+    return len(strategy.extended.worker_devices) < (
+        strategy.num_replicas_in_sync
+    )
 
 
 def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
@@ -174,8 +194,30 @@ def _sparse_block(slices, placement, replica):
 def full_value(variable: Any) -> tf.Tensor:
     """The full value of a sharded variable, outside a replica step."""
     placement = placements.of(variable)
+    strategy = variable._value.distribute_strategy
+    if _multi_process(strategy):
+        return _gather_blocks(strategy, variable._value, placement)
     blocks = [tf.convert_to_tensor(c) for c in variable._value.values]
     return placement.assemble(tf.stack(blocks))
+
+
+def _gather_blocks(strategy, stored, placement) -> tf.Tensor:
+    """Every replica's block, all-gathered over the processes, assembled."""
+
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        local = stored._get_on_device_or_primary()
+        return collectives.all_gather_equal(
+            ctx, tf.reshape(tf.convert_to_tensor(local), [-1])
+        )
+
+    # In a tf.function: one collective, issued by every replica.
+    flat = strategy.experimental_local_results(
+        tf.function(lambda: strategy.run(replica_fn))()
+    )[0]
+    return placement.assemble(
+        tf.reshape(flat, [placement.num_devices, *placement.local_shape])
+    )
 
 
 def assign(variable: Any, value: Any):
@@ -198,7 +240,10 @@ def assign(variable: Any, value: Any):
             value = placement.block(value, replica)
         component.assign(value)
         return value
-    for r, component in enumerate(variable._value.values):
+    strategy = variable._value.distribute_strategy
+    for r, component in zip(
+        _local_replicas(strategy), variable._value.values, strict=True
+    ):
         component.assign(placement.block(value, r))
     return value
 
@@ -256,6 +301,12 @@ def shard_shapes(variable: Any) -> dict[str, tuple[int, ...]]:
             f"Received: variable={variable!r} of type {type(variable)}"
         )
     components = getattr(inner, "values", None) or (inner,)
+    strategy = getattr(inner, "distribute_strategy", None)
+    joined = processes.current()
+    if joined is not None and strategy and _multi_process(strategy):
+        # A copy on every replica of every process; this one holds its own.
+        shape = tuple(int(d) for d in inner.shape)
+        return {d: shape for d in joined.devices()}
     return {
         short_device_name(c.device): tuple(int(d) for d in c.shape)
         for c in components
@@ -263,5 +314,8 @@ def shard_shapes(variable: Any) -> dict[str, tuple[int, ...]]:
 
 
 def block_numpy(variable: Any, replica: int) -> np.ndarray:
-    """Replica `replica`'s stored block (for tests and debugging)."""
+    """Replica `replica`'s stored block (for tests and debugging).
+
+    Over several processes, `replica` counts this process's replicas.
+    """
     return variable._value.values[replica].numpy()

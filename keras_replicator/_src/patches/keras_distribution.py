@@ -17,6 +17,12 @@ before any replicator exists, so no replicator kind installs it):
   every device of the mesh, so an activation is always the replica's slice
   of the batch, and an `"<layer>/output"` layout is a hint with nothing to
   change; the mesh and layout conversions return the Keras objects;
+- makes `initialize()` join the processes of a cluster
+  (`distribution/processes.py`); after it `list_devices()` lists every
+  process's devices (`"/job:worker/task:1/cpu:0"`) and `num_processes()`/
+  `process_id()` are the real values;
+- cuts each global batch by process with a `map`
+  (`Distribution.distribute_tf_dataset`), keeping the dataset's length;
 - makes `set_distribution(d)` (which `Distribution.scope()` calls too) also
   make the replicator of `d` the current `tf.distribute` strategy, and
   `set_distribution(None)` drop it. The replicator comes from the factory
@@ -38,6 +44,10 @@ from keras.src.distribution import distribution_lib
 from keras_replicator._src.patches import registry
 
 _factory: Callable[[Any], Any] | None = None
+# The runtime's `initialize(job_addresses, num_processes, process_id)` and
+# `current() -> Processes | None` (see `distribution/processes.py`).
+_initializer: Callable[..., None] | None = None
+_processes: Callable[[], Any] | None = None
 # The strategy `set_distribution` made current, to drop it again.
 _current: list[Any] = []
 
@@ -48,29 +58,51 @@ def set_replicator_factory(factory: Callable[[Any], Any]) -> None:
     _factory = factory
 
 
+def set_process_hooks(
+    initializer: Callable[..., None], processes: Callable[[], Any]
+) -> None:
+    """Registers the runtime's `initialize` and its record of processes."""
+    global _initializer, _processes
+    _initializer = initializer
+    _processes = processes
+
+
+def _joined():
+    return _processes() if _processes is not None else None
+
+
+def _list_devices(original, device_type=None):
+    joined = _joined()
+    if joined is None:
+        return original(device_type)
+    if device_type is not None and device_type.lower() != joined.device_type:
+        return []
+    return joined.devices()
+
+
 def _get_device_count(original, device_type=None):
     return len(backend_lib.list_devices(device_type))
 
 
 def _num_processes(original):
-    return 1
+    joined = _joined()
+    return 1 if joined is None else joined.num_processes
 
 
 def _process_id(original):
-    return 0
+    joined = _joined()
+    return 0 if joined is None else joined.process_id
 
 
 def _initialize(
     original, job_addresses=None, num_processes=None, process_id=None
 ):
-    if num_processes not in (None, 1) or job_addresses:
-        raise NotImplementedError(
-            "keras.distribution.initialize() with several processes is not "
-            "supported on TensorFlow yet; use one process per host with "
-            "`DataParallel`/`ModelParallel`, or `kr.MultiWorkerReplicator`. "
-            f"Received: job_addresses={job_addresses!r}, "
-            f"num_processes={num_processes!r}, process_id={process_id!r}"
+    if _initializer is None:
+        raise RuntimeError(
+            "keras_replicator's distribution runtime is not loaded; "
+            "`import keras_replicator` first."
         )
+    _initializer(job_addresses, num_processes, process_id)
 
 
 def _distribute_tensor(original, tensor, layout):
@@ -83,6 +115,42 @@ def _distribute_data_input(
     original, per_process_batch, layout, batch_dim_name=None
 ):
     return per_process_batch
+
+
+def _distribute_tf_dataset(original, self, dataset):
+    """Process p takes part p of every global batch, keeping the count.
+
+    Keras' own cut (`rebatch` then `shard`) loses the dataset's
+    cardinality, so `fit` finds the end of an epoch by running out of
+    data, and over several workers that last pull is a step on empty
+    batches (an optimizer with momentum still moves). A `map` keeps it,
+    and gives the same batches when the global batch divides by the
+    processes. Every process takes its part whatever the mesh: compute is
+    data-parallel over every device (`distribution/runtime.py`).
+    """
+    if _joined() is None or not self._is_multi_process:
+        return original(self, dataset)
+    count, index = self._num_processes, self._process_id
+
+    def cut(*element):
+        element = element[0] if len(element) == 1 else element
+        size = tf.shape(tf.nest.flatten(element)[0])[0]
+        check = tf.debugging.Assert(
+            tf.equal(size % count, 0),
+            [
+                "The global batch size must divide by the number of "
+                f"processes. Received: num_processes={count}, "
+                "global_batch_size=",
+                size,
+            ],
+        )
+        with tf.control_dependencies([check]):
+            part = size // count
+        return tf.nest.map_structure(
+            lambda t: t[index * part : (index + 1) * part], element
+        )
+
+    return dataset.map(cut).prefetch(tf.data.AUTOTUNE)
 
 
 def _to_backend_mesh(original, device_mesh):
@@ -138,6 +206,7 @@ PATCH = registry.register(
     registry.Patch(
         name="keras_distribution",
         targets=(
+            registry.Target(backend_lib, "list_devices", _list_devices),
             registry.Target(backend_lib, "get_device_count", _get_device_count),
             registry.Target(backend_lib, "num_processes", _num_processes),
             registry.Target(backend_lib, "process_id", _process_id),
@@ -147,6 +216,11 @@ PATCH = registry.register(
             ),
             registry.Target(
                 backend_lib, "distribute_data_input", _distribute_data_input
+            ),
+            registry.Target(
+                distribution_lib.Distribution,
+                "distribute_tf_dataset",
+                _distribute_tf_dataset,
             ),
             registry.Target(backend_lib, "_to_backend_mesh", _to_backend_mesh),
             registry.Target(
@@ -166,6 +240,7 @@ PATCH = registry.register(
                     "set_distribution(self)",
                     "return distribution_lib.distribute_tensor(tensor, layout)",
                     "self._num_processes = distribution_lib.num_processes()",
+                    "def distribute_tf_dataset(self, dataset):",
                 ),
             ),
             registry.Pin(

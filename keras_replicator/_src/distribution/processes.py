@@ -1,0 +1,184 @@
+"""`keras.distribution.initialize()` on TensorFlow: one process per worker.
+
+On JAX, `initialize` connects the processes of a job; every later mesh
+spans all of their devices. Here it finds (or builds) the cluster, starts
+this process's TensorFlow server through a `MultiWorkerReplicator` (which
+must happen before TensorFlow runs its first op) and records the
+process count, this process's index and the devices of every worker, so
+`list_devices()` is global and `num_processes()`/`process_id()` are real.
+
+No collective runs in `initialize`: the arguments are checked first (an
+inconsistent set raises a `ValueError` naming the numbers), then the
+server starts and waits for its peers (bounded by the replicator's
+start-up timeout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.core import validation
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """The processes `initialize` joined.
+
+    Attributes:
+        cluster: The validated `ClusterConfig`.
+        replicas_per_worker: Devices (replicas) of each process.
+        device_type: `"cpu"` or `"gpu"`.
+    """
+
+    cluster: cluster_lib.ClusterConfig
+    replicas_per_worker: int
+    device_type: str
+
+    @property
+    def num_processes(self) -> int:
+        return self.cluster.num_workers
+
+    @property
+    def process_id(self) -> int:
+        return self.cluster.worker_index
+
+    def tasks(self) -> list[tuple[str, int]]:
+        """`(job, index)` of every process, in replica order."""
+        jobs = [
+            ("chief", i)
+            for i in range(len(self.cluster.cluster.get("chief", ())))
+        ]
+        jobs += [
+            ("worker", i)
+            for i in range(len(self.cluster.cluster.get("worker", ())))
+        ]
+        return jobs
+
+    def devices(self) -> list[str]:
+        """Every process's devices, in replica order (`/job:.../cpu:0`)."""
+        return [
+            f"/job:{job}/task:{task}/{self.device_type}:{i}"
+            for job, task in self.tasks()
+            for i in range(self.replicas_per_worker)
+        ]
+
+
+_state: list[Processes] = []
+# The replicator `initialize` made (it started this process's server).
+_replicators: list[Any] = []
+
+
+def current() -> Processes | None:
+    """The processes `initialize` joined, or None (one process)."""
+    return _state[0] if _state else None
+
+
+def cluster_from_arguments(
+    job_addresses: Any, num_processes: Any, process_id: Any
+) -> cluster_lib.ClusterConfig | None:
+    """The cluster Keras' `initialize` arguments describe, checked.
+
+    Returns:
+        A `ClusterConfig`, or None for a single process.
+
+    Raises:
+        ValueError: If the arguments are inconsistent, naming them.
+    """
+    if num_processes is not None:
+        validation.check_positive_int("num_processes", num_processes)
+    if process_id is not None and (
+        isinstance(process_id, bool)
+        or not isinstance(process_id, int)
+        or process_id < 0
+    ):
+        raise ValueError(
+            "`process_id` must be an integer >= 0. "
+            f"Received: process_id={process_id!r}"
+        )
+    if isinstance(job_addresses, str):
+        addresses = [a.strip() for a in job_addresses.split(",") if a.strip()]
+    elif job_addresses is None:
+        addresses = []
+    else:
+        addresses = [str(a) for a in job_addresses]
+    if num_processes is None:
+        num_processes = len(addresses) or None
+    if num_processes is None or num_processes == 1:
+        if process_id not in (None, 0):
+            raise ValueError(
+                "`process_id` must be below `num_processes`. Received: "
+                f"process_id={process_id}, num_processes={num_processes}"
+            )
+        return None
+    if process_id is None:
+        raise ValueError(
+            "`process_id` is needed with several processes (or set "
+            "KERAS_DISTRIBUTION_PROCESS_ID). Received: process_id=None, "
+            f"num_processes={num_processes}"
+        )
+    if process_id >= num_processes:
+        raise ValueError(
+            "`process_id` must be below `num_processes`. Received: "
+            f"process_id={process_id}, num_processes={num_processes}"
+        )
+    if len(addresses) != num_processes:
+        raise ValueError(
+            "`job_addresses` must give one 'host:port' per process (on "
+            "TensorFlow every process listens on its own address). "
+            f"Received: {len(addresses)} job_addresses={job_addresses!r}, "
+            f"num_processes={num_processes}"
+        )
+    return cluster_lib.make_tf_config(addresses, process_id)
+
+
+def initialize(
+    job_addresses: Any = None, num_processes: Any = None, process_id: Any = None
+) -> None:
+    """Joins this process to its cluster (see the module docstring).
+
+    With no arguments the cluster is whatever `keras-replicator launch`,
+    `TF_CONFIG`, Slurm or mpiexec describe; with none of them, this is one
+    process and nothing happens.
+
+    Raises:
+        ValueError: If the arguments are inconsistent, or disagree with an
+            earlier call.
+    """
+    config = cluster_from_arguments(job_addresses, num_processes, process_id)
+    if config is None and job_addresses is None and num_processes is None:
+        if cluster_lib.detect() is None:
+            return
+        config = None  # The replicator resolves the environment.
+    elif config is None:
+        return
+    if _state:
+        joined = _state[0].cluster
+        if config is not None and (
+            dict(config.cluster) != dict(joined.cluster)
+            or config.task_index != joined.task_index
+        ):
+            raise ValueError(
+                "`initialize` was already called with another cluster. "
+                f"Received: cluster={config.to_dict()}, earlier "
+                f"cluster={joined.to_dict()}"
+            )
+        return
+    from keras_replicator._src.replicators import multi_worker
+
+    if config is not None and not os.environ.get(cluster_lib.TF_CONFIG):
+        # The rest of the program (TensorFlow's own multi-worker helpers,
+        # this library's) sees the cluster where it looks for one.
+        os.environ[cluster_lib.TF_CONFIG] = config.to_json()
+    replicator = multi_worker.MultiWorkerReplicator(cluster=config)
+    devices = replicator.extended.worker_devices
+    _replicators.append(replicator)
+    _state.append(
+        Processes(
+            cluster=replicator.cluster_config,
+            replicas_per_worker=len(devices),
+            device_type="gpu" if "GPU" in devices[0].upper() else "cpu",
+        )
+    )

@@ -1,0 +1,107 @@
+"""The model, data and meshes of the keras.distribution multi-worker tests.
+
+Shared by the worker script and the one-device reference. The data is a
+`tf.data.Dataset` of GLOBAL batches: under `keras.distribution` on several
+processes Keras cuts each global batch by process
+(`Distribution.distribute_dataset`), so step t sees the same examples as
+step t on one device.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+GLOBAL_BATCH = 16
+EPOCHS = 2
+LAYOUTS = {".*d1/kernel": (None, "model"), ".*d2/kernel": ("model", None)}
+
+
+def build():
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential(
+        [
+            keras.Input((12,)),
+            keras.layers.Dense(16, activation="relu", name="d1"),
+            keras.layers.Dense(8, activation="tanh", name="d2"),
+            keras.layers.Dense(3, name="d3"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def dataset():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(64, 12)).astype("float32")
+    y = rng.integers(0, 3, size=(64,)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+
+def train(model):
+    history = model.fit(dataset(), epochs=EPOCHS, shuffle=False, verbose=0)
+    return history.history
+
+
+def distribution(kind):
+    """`"data_parallel"` or `"model_parallel"` over every listed device."""
+    devices = keras.distribution.list_devices()
+    if kind == "data_parallel":
+        return keras.distribution.DataParallel(devices=devices)
+    mesh = keras.distribution.DeviceMesh(
+        (2, len(devices) // 2), ("batch", "model"), devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in LAYOUTS.items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+# The resharding-resume tests: `preempt_reference`'s data and steps, with a
+# hidden layer the meshes split.
+PREEMPT_LAYOUTS = {".*hidden/kernel": (None, "model")}
+
+
+def build_preempt():
+    """`preempt_reference`'s regression, under the current distribution."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="tanh", name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.05), "mse")
+    return model
+
+
+def preempt_distribution(shape, devices=None):
+    """`ModelParallel` on a `("batch", "model")` mesh of `shape`."""
+    devices = devices or keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in PREEMPT_LAYOUTS.items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+def preempt_dataset():
+    """`preempt_reference`'s examples as a dataset of global batches.
+
+    Not reshuffled per epoch: a `reshuffle_each_iteration` shuffle draws
+    another order under a `tf.distribute` strategy than on one device.
+    """
+    from tests.multi_worker import preempt_reference as ref
+
+    inputs = ref.fit_inputs("arrays", None)
+    return tf.data.Dataset.from_tensor_slices((inputs["x"], inputs["y"])).batch(
+        ref.GLOBAL_BATCH
+    )

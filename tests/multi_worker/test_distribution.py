@@ -1,0 +1,85 @@
+"""keras.distribution over 2 worker processes x 2 CPU replicas each.
+
+`keras.distribution.initialize()` (from TF_CONFIG on one worker, from
+Keras' `KERAS_DISTRIBUTION_*` variables on the other), then `DataParallel`
+and `ModelParallel` on a (batch 2 across workers) x (model 2 inside a
+worker) mesh, against one device. One process group for every check.
+"""
+
+import numpy as np
+import pytest
+
+from tests import helpers
+from tests.multi_worker import distribution_reference
+from tests.multi_worker import harness
+
+WORKER = harness.REPO_ROOT / "tests/multi_worker/workers/distribution_worker.py"
+DEVICES = [f"/job:worker/task:{t}/cpu:{i}" for t in range(2) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distribution")
+    model = distribution_reference.build()
+    init = tmp / "init.npz"
+    np.savez(init, *model.get_weights())
+    history = distribution_reference.train(model)
+    return {"init": init, "history": history, "weights": model.get_weights()}
+
+
+@pytest.fixture(scope="module")
+def workers(reference):
+    return harness.run_workers(
+        WORKER,
+        num_workers=2,
+        replicas_per_worker=2,
+        timeout=300,
+        args=[str(reference["init"])],
+    )
+
+
+def _assert_matches(got, reference, atol, what):
+    assert sorted(got["history"]) == sorted(reference["history"])
+    for key, values in reference["history"].items():
+        helpers.assert_close(
+            got["history"][key], values, f"{what} {key}", atol=atol
+        )
+    for i, (a, e) in enumerate(
+        zip(got["weights"], reference["weights"], strict=True)
+    ):
+        helpers.assert_close(a, e, f"{what} weight {i}", atol=atol)
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(420)
+def test_initialize_lists_every_workers_devices(workers):
+    for w in workers:
+        assert w.result["num_processes"] == 2
+        assert w.result["process_id"] == w.index
+        assert w.result["devices"] == DEVICES
+        assert (
+            "The device mesh has 8 devices but only 4"
+            in (w.result["too_large_mesh"])
+        )
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(420)
+def test_data_parallel_over_workers_matches_one_device(workers, reference):
+    for w in workers:
+        got = w.result["data_parallel"]
+        assert got["replicator"] == "ProcessReplicator"
+        _assert_matches(got, reference, 1e-5, f"worker {w.index}")
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(420)
+def test_model_parallel_over_workers_matches_one_device(workers, reference):
+    for w in workers:
+        _assert_matches(
+            w.result["model_parallel"], reference, 1e-4, f"worker {w.index}"
+        )
+    shapes = [w.result["model_parallel"]["shard_shapes"] for w in workers]
+    assert shapes[0] == shapes[1]
+    kernel = next(v for k, v in shapes[0].items() if k.endswith("d1/kernel"))
+    assert kernel == {d: [12, 8] for d in DEVICES}

@@ -1,0 +1,62 @@
+"""Worker of test_distribution.py: keras.distribution over 2 processes.
+
+argv: <initial weights .npz>. Calls `keras.distribution.initialize()` (the
+cluster comes from TF_CONFIG), then trains the model of
+`distribution_reference` under `DataParallel` and under `ModelParallel` on
+a (batch 2 across processes) x (model 2 inside a process) mesh, and
+reports the numbers, the devices and where the weights live.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.tensorflow import distribution_lib
+
+import keras_replicator as kr
+from tests.multi_worker import distribution_reference as reference
+from tests.multi_worker import harness
+
+if harness.task_index() == 0:
+    # Keras' own variables on worker 0; TF_CONFIG (as `keras-replicator
+    # launch` and Kubernetes set it) on worker 1.
+    config = json.loads(os.environ.pop("TF_CONFIG"))
+    os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"] = ",".join(
+        config["cluster"]["worker"]
+    )
+    os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"] = "2"
+    os.environ["KERAS_DISTRIBUTION_PROCESS_ID"] = "0"
+keras.distribution.initialize()
+report = {
+    "num_processes": distribution_lib.num_processes(),
+    "process_id": distribution_lib.process_id(),
+    "devices": keras.distribution.list_devices(),
+}
+# A mesh larger than the cluster: refused before any collective.
+too_many = [f"/job:worker/task:{t}/cpu:{i}" for t in range(2) for i in range(4)]
+try:
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=too_many)
+    )
+except ValueError as e:
+    report["too_large_mesh"] = str(e)
+init = list(np.load(sys.argv[1]).values())
+for kind in ("data_parallel", "model_parallel"):
+    keras.distribution.set_distribution(reference.distribution(kind))
+    model = reference.build()
+    model.set_weights(init)
+    history = reference.train(model)
+    report[kind] = {
+        "history": history,
+        "weights": model.get_weights(),
+        "shard_shapes": {
+            v.path: {d: list(s) for d, s in kr.shard_shapes(v).items()}
+            for v in model.weights
+        },
+        "replicator": type(tf.distribute.get_strategy()).__name__,
+    }
+keras.distribution.set_distribution(None)
+harness.write_result(report)
