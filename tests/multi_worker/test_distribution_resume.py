@@ -1,0 +1,133 @@
+"""A ModelParallel backup resumes on another mesh with one device's numbers.
+
+- 2 workers (`keras-replicator launch`, 2 replicas each, a (2, 2) mesh
+  `("batch", "model")`) stopped by SIGTERM inside an epoch, resumed in
+  this process under a (1, 4) mesh;
+- the (1, 4) mesh in this process stopped by SIGTERM at a step, resumed on
+  the 2 workers' (2, 2) mesh.
+
+Backups hold whole values (written through the variables' full values),
+so both end with the weights of an uninterrupted fit on one device (1e-5).
+Workers run `workers/distribution_preempt_worker.py`.
+"""
+
+import os
+import signal
+
+import keras
+import pytest
+
+from keras_replicator._src.core import env as env_names
+from keras_replicator._src.training import preemption
+from tests.helpers import assert_weights_close
+from tests.multi_worker import distribution_reference as reference
+from tests.multi_worker import harness
+from tests.multi_worker import preempt_reference as ref
+
+pytestmark = [
+    pytest.mark.multi_worker,
+    pytest.mark.filterwarnings("ignore:Your input ran out of data"),
+]
+
+WORKER = (
+    harness.REPO_ROOT
+    / "tests/multi_worker/workers/distribution_preempt_worker.py"
+)
+BASE_ENV = {
+    env_names.PREEMPTION_CHECK_SECONDS: "0.05",
+    "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+    "PYTHONPATH": str(harness.REPO_ROOT),
+}
+STOP_AT = 11  # step 3 of the second epoch
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    model = reference.build_preempt()
+    model.fit(
+        reference.preempt_dataset(), shuffle=False, epochs=ref.EPOCHS, verbose=0
+    )
+    return model.get_weights()
+
+
+def _fit_on_one_host(backup, at_step=None):
+    """The workers' fit under a (1, 4) mesh here; weights, steps trained."""
+    devices = keras.distribution.list_devices()[:4]
+    keras.distribution.set_distribution(
+        reference.preempt_distribution((1, 4), devices)
+    )
+    try:
+        model = reference.build_preempt()
+        probe = ref.Probe(at_step)
+        model.fit(
+            reference.preempt_dataset(),
+            shuffle=False,
+            epochs=ref.EPOCHS,
+            callbacks=[keras.callbacks.BackupAndRestore(str(backup)), probe],
+            verbose=0,
+        )
+        return model.get_weights(), probe.trained
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def _launch(backup, tmp_path, name, env=None):
+    return harness.Background(
+        harness.launch_command(WORKER, [str(backup)], 2, 2),
+        tmp_path,
+        name,
+        {**os.environ, **BASE_ENV, **(env or {})},
+    )
+
+
+@pytest.mark.timeout(400)
+def test_two_workers_2x2_preempted_then_resumed_on_a_1x4_mesh(
+    one_device, tmp_path
+):
+    backup = tmp_path / "backup"
+    run = _launch(
+        backup,
+        tmp_path,
+        "workers",
+        {
+            "PREEMPT_MARK": str(tmp_path / "m{index}"),
+            "PREEMPT_MARK_STEP": str(STOP_AT),
+        },
+    )
+    for index in (0, 1):
+        harness.wait_for_pid_file(tmp_path / f"m{index}", run)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=90) == preemption.EXIT_CODE, run.output()[-4000:]
+    saved = ref.backup_step(backup)
+    # Mid second epoch, or at its end (see test_resume_topology.py).
+    assert ref.STEPS_PER_EPOCH < saved <= 2 * ref.STEPS_PER_EPOCH, saved
+
+    weights, trained = _fit_on_one_host(backup)
+    assert ref.step_of(trained[0]) == saved
+    assert len(trained) == ref.TOTAL_STEPS - saved
+    assert_weights_close(weights, one_device)
+
+
+@pytest.mark.timeout(400)
+def test_a_1x4_mesh_preempted_then_resumed_on_two_workers_2x2(
+    one_device, tmp_path
+):
+    backup = tmp_path / "backup"
+
+    def sigterm_at(step):
+        if step == STOP_AT:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(SystemExit) as stopped:
+        _fit_on_one_host(backup, sigterm_at)
+    preemption.cancel_exit_deadline()
+    assert stopped.value.code == preemption.EXIT_CODE
+    assert ref.backup_step(backup) == STOP_AT
+
+    run = _launch(backup, tmp_path, "workers")
+    assert run.wait(timeout=240) == 0, run.output()[-4000:]
+    for index in (0, 1):
+        result = run.result(index)
+        assert ref.step_of(result["trained"][0]) == STOP_AT
+        assert len(result["trained"]) == ref.TOTAL_STEPS - STOP_AT
+        ref.assert_weights(result, one_device)

@@ -1,0 +1,58 @@
+"""Worker of test_distribution_resume.py: ModelParallel fit, backed up.
+
+argv: <backup dir>. `keras.distribution.initialize()`, `ModelParallel` on
+a (batch 2 across processes) x (model 2 inside a process) mesh, then the
+plain `BackupAndRestore` fit of `preempt_reference`'s data
+(`distribution_reference.preempt_dataset`). With `PREEMPT_MARK` and
+`PREEMPT_MARK_STEP` it writes its pid to the mark after that step and
+then sleeps `PREEMPT_SLOW` seconds per step, so the test can send SIGTERM
+mid-epoch. Reports its final weights and the
+(epoch, batch) of every step it trained.
+"""
+
+import os
+import sys
+import time
+
+import keras
+
+import keras_replicator  # noqa: F401
+from tests.multi_worker import distribution_reference as reference
+from tests.multi_worker import harness
+from tests.multi_worker import preempt_reference as ref
+
+keras.distribution.initialize()
+keras.distribution.set_distribution(reference.preempt_distribution((2, 2)))
+mark = os.environ.get("PREEMPT_MARK")
+mark_step = int(os.environ.get("PREEMPT_MARK_STEP", "0"))
+slow = float(os.environ.get("PREEMPT_SLOW", "0.3"))
+
+
+def _at_step(step):
+    if mark and step == mark_step:
+        with open(mark.format(index=harness.task_index()), "w") as f:
+            f.write(str(os.getpid()))
+    if mark and step >= mark_step:
+        time.sleep(slow)
+
+
+model = reference.build_preempt()
+probe = ref.Probe(_at_step)
+backup = keras.callbacks.BackupAndRestore(sys.argv[1])
+try:
+    model.fit(
+        reference.preempt_dataset(),
+        shuffle=False,
+        epochs=ref.EPOCHS,
+        callbacks=[backup, probe],
+        verbose=0,
+    )
+except SystemExit:
+    harness.write_result({"trained": probe.trained, "preempted": True})
+    raise
+harness.write_result(
+    {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "trained": probe.trained,
+    }
+)
