@@ -399,6 +399,21 @@ def test_initialize_with_inconsistent_arguments_names_them(kwargs, message):
     assert distribution_lib.distribution_lib.num_processes() == 1
 
 
+def test_initialize_arguments_that_disagree_with_tf_config_are_named(
+    monkeypatch,
+):
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, '
+        '"task": {"type": "worker", "index": 1}}',
+    )
+    with pytest.raises(ValueError, match=r"\(2 processes, this one 1\)"):
+        keras.distribution.initialize(num_processes=3)
+    with pytest.raises(ValueError, match="process_id=0"):
+        keras.distribution.initialize(process_id=0)
+    assert distribution_lib.distribution_lib.num_processes() == 1
+
+
 def test_initialize_with_one_process_changes_nothing():
     keras.distribution.initialize(num_processes=1, process_id=0)
     assert distribution_lib.distribution_lib.num_processes() == 1

@@ -47,12 +47,18 @@ def train(model):
 
 
 def distribution(kind):
-    """`"data_parallel"` or `"model_parallel"` over every listed device."""
+    """A distribution over every listed device.
+
+    `"data_parallel"`; `"model_parallel"`, a (2, N / 2) mesh `("batch",
+    "model")`; `"model_across"`, a (1, N) mesh (over several processes its
+    model axis spans them).
+    """
     devices = keras.distribution.list_devices()
     if kind == "data_parallel":
         return keras.distribution.DataParallel(devices=devices)
+    batch = 2 if kind == "model_parallel" else 1
     mesh = keras.distribution.DeviceMesh(
-        (2, len(devices) // 2), ("batch", "model"), devices
+        (batch, len(devices) // batch), ("batch", "model"), devices
     )
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in LAYOUTS.items():

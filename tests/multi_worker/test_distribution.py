@@ -83,3 +83,15 @@ def test_model_parallel_over_workers_matches_one_device(workers, reference):
     assert shapes[0] == shapes[1]
     kernel = next(v for k, v in shapes[0].items() if k.endswith("d1/kernel"))
     assert kernel == {d: [12, 8] for d in DEVICES}
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(420)
+def test_a_model_axis_across_workers_matches_one_device(workers, reference):
+    for w in workers:
+        got = w.result["model_across"]
+        _assert_matches(got, reference, 1e-4, f"worker {w.index}")
+        kernel = next(
+            v for k, v in got["shard_shapes"].items() if k.endswith("d1/kernel")
+        )
+        assert kernel == {d: [12, 4] for d in DEVICES}

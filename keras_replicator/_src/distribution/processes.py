@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import discovery
 from keras_replicator._src.core import validation
 
 
@@ -134,26 +135,56 @@ def cluster_from_arguments(
     return cluster_lib.make_tf_config(addresses, process_id)
 
 
+def _found_in_environment() -> tuple[int, int] | None:
+    """`(processes, this process)` of a launcher's cluster, or None.
+
+    Read without connecting: from TF_CONFIG, or Slurm's or MPI's variables.
+    """
+    found = cluster_lib.detect()
+    if found == cluster_lib.TF_CONFIG:
+        config = cluster_lib.parse_tf_config(os.environ[cluster_lib.TF_CONFIG])
+        return config.num_workers, config.worker_index
+    if found is not None:
+        launched = discovery.detect()
+        return launched.size, launched.rank
+    return None
+
+
 def initialize(
     job_addresses: Any = None, num_processes: Any = None, process_id: Any = None
 ) -> None:
     """Joins this process to its cluster (see the module docstring).
 
-    With no arguments the cluster is whatever `keras-replicator launch`,
-    `TF_CONFIG`, Slurm or mpiexec describe; with none of them, this is one
-    process and nothing happens.
+    Without `job_addresses` the cluster is whatever `keras-replicator
+    launch`, `TF_CONFIG`, Slurm or mpiexec describe (`num_processes` and
+    `process_id`, if given, must agree with it); with none of them the
+    arguments describe it, and without those this is one process and
+    nothing happens.
 
     Raises:
         ValueError: If the arguments are inconsistent, or disagree with an
             earlier call.
     """
-    config = cluster_from_arguments(job_addresses, num_processes, process_id)
-    if config is None and job_addresses is None and num_processes is None:
-        if cluster_lib.detect() is None:
-            return
+    found = _found_in_environment() if job_addresses is None else None
+    if found is not None:
+        # The launcher's cluster; Keras' counts, if given, must agree.
+        size, rank = found
+        if num_processes not in (None, size) or process_id not in (
+            None,
+            rank,
+        ):
+            raise ValueError(
+                "`num_processes`/`process_id` disagree with the cluster "
+                f"found here ({size} processes, this one {rank}). Received: "
+                f"num_processes={num_processes}, process_id={process_id}"
+            )
         config = None  # The replicator resolves the environment.
-    elif config is None:
-        return
+    else:
+        config = cluster_from_arguments(
+            job_addresses, num_processes, process_id
+        )
+        if config is None:
+            return
     if _state:
         joined = _state[0].cluster
         if config is not None and (

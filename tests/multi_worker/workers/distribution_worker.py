@@ -1,10 +1,11 @@
 """Worker of test_distribution.py: keras.distribution over 2 processes.
 
-argv: <initial weights .npz>. Calls `keras.distribution.initialize()` (the
-cluster comes from TF_CONFIG), then trains the model of
-`distribution_reference` under `DataParallel` and under `ModelParallel` on
-a (batch 2 across processes) x (model 2 inside a process) mesh, and
-reports the numbers, the devices and where the weights live.
+argv: <initial weights .npz>. Calls `keras.distribution.initialize()`
+(from Keras' variables on worker 0, TF_CONFIG on worker 1), then trains
+the model of `distribution_reference` under `DataParallel`, under
+`ModelParallel` on a (batch 2 across processes) x (model 2 inside a
+process) mesh and on a (1, 4) mesh whose model axis spans the processes,
+and reports the numbers, the devices and where the weights live.
 """
 
 import json
@@ -43,8 +44,17 @@ try:
     )
 except ValueError as e:
     report["too_large_mesh"] = str(e)
+# Devices out of process order: refused.
+try:
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()[::-1]
+        )
+    )
+except NotImplementedError as e:
+    report["reordered_mesh"] = str(e)
 init = list(np.load(sys.argv[1]).values())
-for kind in ("data_parallel", "model_parallel"):
+for kind in ("data_parallel", "model_parallel", "model_across"):
     keras.distribution.set_distribution(reference.distribution(kind))
     model = reference.build()
     model.set_weights(init)
