@@ -1,10 +1,11 @@
 """A ModelParallel backup resumes on another mesh with one device's numbers.
 
-- 2 workers (`keras-replicator launch`, 2 replicas each, a (2, 2) mesh
-  `("batch", "model")`) stopped by SIGTERM inside an epoch, resumed in
-  this process under a (1, 4) mesh;
-- the (1, 4) mesh in this process stopped by SIGTERM at a step, resumed on
-  the 2 workers' (2, 2) mesh.
+One fit, preempted twice: a (1, 4) mesh `("batch", "model")` in this
+process stopped by SIGTERM at a step; resumed on 2 workers (`keras-replicator
+launch`, 2 replicas each, a (2, 2) mesh: batch across the workers, model
+inside each) and stopped there by SIGTERM inside an epoch; resumed in this
+process under the (1, 4) mesh again to the end. One process group covers
+both directions.
 
 Backups hold whole values (written through the variables' full values),
 so both end with the weights of an uninterrupted fit on one device (1e-5).
@@ -38,7 +39,8 @@ BASE_ENV = {
     "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     "PYTHONPATH": str(harness.REPO_ROOT),
 }
-STOP_AT = 11  # step 3 of the second epoch
+FIRST_STOP = 5  # step 5 of the first epoch
+SECOND_MARK = 11  # step 3 of the second epoch
 
 
 @pytest.fixture(scope="module")
@@ -80,54 +82,46 @@ def _launch(backup, tmp_path, name, env=None):
     )
 
 
-@pytest.mark.timeout(400)
-def test_two_workers_2x2_preempted_then_resumed_on_a_1x4_mesh(
+@pytest.mark.timeout(500)
+def test_a_backup_reshards_between_one_host_and_two_workers(
     one_device, tmp_path
 ):
     backup = tmp_path / "backup"
+
+    def sigterm_at(step):
+        if step == FIRST_STOP:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    # One host, (1, 4): stopped at a step of the first epoch.
+    with pytest.raises(SystemExit) as stopped:
+        _fit_on_one_host(backup, sigterm_at)
+    preemption.cancel_exit_deadline()
+    assert stopped.value.code == preemption.EXIT_CODE
+    assert ref.backup_step(backup) == FIRST_STOP
+
+    # Two workers, (2, 2): resumed there, stopped in the second epoch.
     run = _launch(
         backup,
         tmp_path,
         "workers",
         {
             "PREEMPT_MARK": str(tmp_path / "m{index}"),
-            "PREEMPT_MARK_STEP": str(STOP_AT),
+            "PREEMPT_MARK_STEP": str(SECOND_MARK),
         },
     )
     for index in (0, 1):
         harness.wait_for_pid_file(tmp_path / f"m{index}", run)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(timeout=90) == preemption.EXIT_CODE, run.output()[-4000:]
+    for index in (0, 1):
+        trained = run.result(index)["trained"]
+        assert ref.step_of(trained[0]) == FIRST_STOP, trained
     saved = ref.backup_step(backup)
     # Mid second epoch, or at its end (see test_resume_topology.py).
-    assert ref.STEPS_PER_EPOCH < saved <= 2 * ref.STEPS_PER_EPOCH, saved
+    assert SECOND_MARK <= saved <= 2 * ref.STEPS_PER_EPOCH, saved
 
+    # One host, (1, 4) again: the rest.
     weights, trained = _fit_on_one_host(backup)
     assert ref.step_of(trained[0]) == saved
     assert len(trained) == ref.TOTAL_STEPS - saved
     assert_weights_close(weights, one_device)
-
-
-@pytest.mark.timeout(400)
-def test_a_1x4_mesh_preempted_then_resumed_on_two_workers_2x2(
-    one_device, tmp_path
-):
-    backup = tmp_path / "backup"
-
-    def sigterm_at(step):
-        if step == STOP_AT:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    with pytest.raises(SystemExit) as stopped:
-        _fit_on_one_host(backup, sigterm_at)
-    preemption.cancel_exit_deadline()
-    assert stopped.value.code == preemption.EXIT_CODE
-    assert ref.backup_step(backup) == STOP_AT
-
-    run = _launch(backup, tmp_path, "workers")
-    assert run.wait(timeout=240) == 0, run.output()[-4000:]
-    for index in (0, 1):
-        result = run.result(index)
-        assert ref.step_of(result["trained"][0]) == STOP_AT
-        assert len(result["trained"]) == ref.TOTAL_STEPS - STOP_AT
-        ref.assert_weights(result, one_device)
