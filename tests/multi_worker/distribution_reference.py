@@ -34,29 +34,32 @@ def build():
     return model
 
 
-def dataset():
+def dataset(batched=True):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(64, 12)).astype("float32")
     y = rng.integers(0, 3, size=(64,)).astype("int32")
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    examples = tf.data.Dataset.from_tensor_slices((x, y))
+    return examples.batch(GLOBAL_BATCH) if batched else examples
 
 
-def train(model):
-    history = model.fit(dataset(), epochs=EPOCHS, shuffle=False, verbose=0)
+def train(model, data=None):
+    """Fits on `data` (default: `dataset()`); returns the history."""
+    data = dataset() if data is None else data
+    history = model.fit(data, epochs=EPOCHS, shuffle=False, verbose=0)
     return history.history
 
 
 def distribution(kind):
     """A distribution over every listed device.
 
-    `"data_parallel"`; `"model_parallel"`, a (2, N / 2) mesh `("batch",
-    "model")`; `"model_across"`, a (1, N) mesh (over several processes its
-    model axis spans them).
+    `"data_parallel"`; `"model_parallel"` (and `"sharder"`, fed by our
+    sharder), a (2, N / 2) mesh `("batch", "model")`; `"model_across"`,
+    a (1, N) mesh (over several processes its model axis spans them).
     """
     devices = keras.distribution.list_devices()
     if kind == "data_parallel":
         return keras.distribution.DataParallel(devices=devices)
-    batch = 2 if kind == "model_parallel" else 1
+    batch = 1 if kind == "model_across" else 2
     mesh = keras.distribution.DeviceMesh(
         (batch, len(devices) // batch), ("batch", "model"), devices
     )

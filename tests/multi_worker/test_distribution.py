@@ -76,9 +76,10 @@ def test_data_parallel_over_workers_matches_one_device(workers, reference):
 @pytest.mark.timeout(420)
 def test_model_parallel_over_workers_matches_one_device(workers, reference):
     for w in workers:
-        _assert_matches(
-            w.result["model_parallel"], reference, 1e-4, f"worker {w.index}"
-        )
+        for kind in ("model_parallel", "sharder"):
+            _assert_matches(
+                w.result[kind], reference, 1e-4, f"{kind}, worker {w.index}"
+            )
     shapes = [w.result["model_parallel"]["shard_shapes"] for w in workers]
     assert shapes[0] == shapes[1]
     kernel = next(v for k, v in shapes[0].items() if k.endswith("d1/kernel"))

@@ -4,8 +4,9 @@ argv: <initial weights .npz>. Calls `keras.distribution.initialize()`
 (from Keras' variables on worker 0, TF_CONFIG on worker 1), then trains
 the model of `distribution_reference` under `DataParallel`, under
 `ModelParallel` on a (batch 2 across processes) x (model 2 inside a
-process) mesh and on a (1, 4) mesh whose model axis spans the processes,
-and reports the numbers, the devices and where the weights live.
+process) mesh (fed by Keras' per-process cut, and by our sharder) and
+on a (1, 4) mesh whose model axis spans the processes, and reports the
+numbers, the devices and where the weights live.
 """
 
 import json
@@ -54,11 +55,16 @@ try:
 except NotImplementedError as e:
     report["reordered_mesh"] = str(e)
 init = list(np.load(sys.argv[1]).values())
-for kind in ("data_parallel", "model_parallel", "model_across"):
+for kind in ("data_parallel", "model_parallel", "model_across", "sharder"):
     keras.distribution.set_distribution(reference.distribution(kind))
     model = reference.build()
     model.set_weights(init)
-    history = reference.train(model)
+    data = None
+    if kind == "sharder":
+        data = tf.distribute.get_strategy().distribute(
+            reference.dataset(batched=False), reference.GLOBAL_BATCH
+        )
+    history = reference.train(model, data)
     report[kind] = {
         "history": history,
         "weights": model.get_weights(),
