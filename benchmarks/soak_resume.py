@@ -156,6 +156,19 @@ def cycle(config, folder, stop_at, target, timeout):
         # The run ended before the stop it agreed on (a last step).
         second = first
         saved = None
+    elif code == 128 + signal.SIGTERM and "preempted" not in first.output():
+        # Workers check about every 50 ms of steps, so a signal in the last
+        # steps can come after the last check: the fit ends (its backup is
+        # deleted at the end), then the signal is delivered again and ends
+        # the worker, as documented. The restart trains from the start.
+        saved = "end (restarted from the start)"
+        second = harness.Background(
+            _command(config, backup), folder, "second", _env(config)
+        )
+        code = second.wait(timeout=timeout)
+        if code != 0:
+            why = f"restart exit {code}"
+            return {"ok": False, "why": why, "log": second.output()}
     elif code != PREEMPTED:
         return {"ok": False, "why": f"exit {code}", "log": first.output()}
     else:
