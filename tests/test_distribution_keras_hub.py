@@ -26,7 +26,7 @@ def _gemma():
     keras.utils.set_random_seed(1)
     backbone = keras_hub.models.GemmaBackbone(
         vocabulary_size=64,
-        num_layers=2,
+        num_layers=1,
         num_query_heads=4,
         num_key_value_heads=4,
         hidden_dim=16,
