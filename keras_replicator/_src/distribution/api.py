@@ -23,6 +23,7 @@ def enable() -> None:
     used before any replicator exists.
     """
     keras_distribution.set_replicator_factory(runtime.replicator_for)
+    processes.set_replicator_factory(runtime.process_replicator)
     keras_distribution.set_process_hooks(
         processes.initialize, processes.current
     )

@@ -70,6 +70,16 @@ class Processes:
 _state: list[Processes] = []
 # The replicator `initialize` made (it started this process's server).
 _replicators: list[Any] = []
+# `cluster -> MultiWorkerReplicator`, registered by `api.enable` (this
+# module sits below the replicators: `sharded.py` imports it, and patches
+# import `sharded.py`).
+_factory: Any = None
+
+
+def set_replicator_factory(factory: Any) -> None:
+    """Registers `factory(cluster_config) -> MultiWorkerReplicator`."""
+    global _factory
+    _factory = factory
 
 
 def current() -> Processes | None:
@@ -197,13 +207,16 @@ def initialize(
                 f"cluster={joined.to_dict()}"
             )
         return
-    from keras_replicator._src.replicators import multi_worker
-
     if config is not None and not os.environ.get(cluster_lib.TF_CONFIG):
         # The rest of the program (TensorFlow's own multi-worker helpers,
         # this library's) sees the cluster where it looks for one.
         os.environ[cluster_lib.TF_CONFIG] = config.to_json()
-    replicator = multi_worker.MultiWorkerReplicator(cluster=config)
+    if _factory is None:
+        raise RuntimeError(
+            "keras_replicator's distribution runtime is not loaded; "
+            "`import keras_replicator` first."
+        )
+    replicator = _factory(config)
     devices = replicator.extended.worker_devices
     _replicators.append(replicator)
     _state.append(

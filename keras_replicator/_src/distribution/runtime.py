@@ -184,3 +184,8 @@ class ProcessReplicator(multi_worker.MultiWorkerReplicator):
         return self.distribute_datasets_from_function(
             lambda ctx: per_replica, options
         )
+
+
+def process_replicator(cluster):
+    """The `MultiWorkerReplicator` that joins this process to `cluster`."""
+    return multi_worker.MultiWorkerReplicator(cluster=cluster)
