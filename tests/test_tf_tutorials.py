@@ -46,18 +46,32 @@ def _assert_identical(actual, expected, label):
     _assert_same(actual, expected, label, atol=0, rtol=0)
 
 
+# Stock's own float distance from one device moves with the machine: the
+# convolutions' kernels differ by batch size (64 on one device, 32 per
+# replica) and CPU, and Adam amplifies the rounding of near-zero gradients.
+# After 3 epochs it was 9.8e-7 on one 2-core VM (2026-11-24) and over 1e-4
+# in the conv and dense kernels on another (2026-11-25, the same code, a
+# fresh install). Two epochs, one device at 1e-3; what this library
+# answers for, stock's numbers, bit for bit.
+EPOCHS = 2
+
+
 @pytest.fixture(scope="module")
 def custom_training_one_device():
-    return tf_tutorials.custom_training(None)
+    return tf_tutorials.custom_training(None, epochs=EPOCHS)
 
 
 def test_custom_training_tutorial_matches_one_device_and_stock(
     custom_training_one_device,
 ):
-    stock = tf_tutorials.custom_training(helpers.stock_mirrored())
-    ours = tf_tutorials.custom_training(kr.LocalReplicator(2))
-    _assert_same(stock, custom_training_one_device, "stock MirroredStrategy")
-    _assert_same(ours, custom_training_one_device, "LocalReplicator(2)")
+    stock = tf_tutorials.custom_training(
+        helpers.stock_mirrored(), epochs=EPOCHS
+    )
+    ours = tf_tutorials.custom_training(kr.LocalReplicator(2), epochs=EPOCHS)
+    for run, label in ((stock, "stock MirroredStrategy"), (ours, "ours")):
+        _assert_same(
+            run, custom_training_one_device, label, atol=1e-3, rtol=1e-3
+        )
     # tf.distribute's API runs stock Keras: bit for bit.
     _assert_identical(ours, stock, "LocalReplicator(2) vs stock")
 
