@@ -34,19 +34,26 @@ def _as_arrays(result):
 @pytest.mark.multi_worker
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "name, atol",
+    "name, atol, one_device_atol",
     # RMSprop (multi_worker_ctl) amplifies float rounding: stock
-    # MirroredStrategy itself is 2e-6 off one device there.
-    [("custom_training", 1e-6), ("multi_worker_ctl", 1e-5)],
+    # MirroredStrategy itself is 2e-6 off one device there. Adam on the
+    # custom-training tutorial's convs: stock's own distance from one device
+    # moves with the machine (9.8e-7 on 2026-11-24, over 1e-4 on
+    # 2026-11-25; see tests/test_tf_tutorials.py); stock at 1e-6.
+    [("custom_training", 1e-6, 1e-3), ("multi_worker_ctl", 1e-5, 1e-5)],
 )
-def test_tutorial_loop_matches_one_device_and_stock(workers, name, atol):
+def test_tutorial_loop_matches_one_device_and_stock(
+    workers, name, atol, one_device_atol
+):
     loop = getattr(tf_tutorials, name)
     one_device = loop(None)
     stock = loop(helpers.stock_mirrored())
     for w in workers:
         actual = _as_arrays(w.result[name])
         label = f"{name}, worker {w.index}"
-        test_tf_tutorials._assert_same(actual, one_device, label, atol=atol)
+        test_tf_tutorials._assert_same(
+            actual, one_device, label, atol=one_device_atol
+        )
         test_tf_tutorials._assert_same(
             actual, stock, f"{label} vs stock", atol=atol
         )
