@@ -1,9 +1,13 @@
 """keras.distribution over 2 worker processes x 2 CPU replicas each.
 
 `keras.distribution.initialize()` (from TF_CONFIG on one worker, from
-Keras' `KERAS_DISTRIBUTION_*` variables on the other), then `DataParallel`
-and `ModelParallel` on a (batch 2 across workers) x (model 2 inside a
-worker) mesh, against one device. One process group for every check.
+Keras' `KERAS_DISTRIBUTION_*` variables on the other), then `ModelParallel`
+on a (batch 2 across workers) x (model 2 inside a worker) mesh fed by our
+sharder, and on a (1, 4) mesh whose model axis spans the workers, against
+one device. One process group for every check. The launched
+`DataParallel` / `ModelParallel` script is test_distribution_gemma.py's;
+`initialize()` under mpiexec, Slurm and `kr.launch` is
+test_distribution_launchers.py's.
 """
 
 import numpy as np
@@ -65,22 +69,14 @@ def test_initialize_lists_every_workers_devices(workers):
 
 @pytest.mark.multi_worker
 @pytest.mark.timeout(420)
-def test_data_parallel_over_workers_matches_one_device(workers, reference):
+def test_model_parallel_fed_by_our_sharder_matches_one_device(
+    workers, reference
+):
     for w in workers:
-        got = w.result["data_parallel"]
+        got = w.result["sharder"]
         assert got["replicator"] == "ProcessReplicator"
-        _assert_matches(got, reference, 1e-5, f"worker {w.index}")
-
-
-@pytest.mark.multi_worker
-@pytest.mark.timeout(420)
-def test_model_parallel_over_workers_matches_one_device(workers, reference):
-    for w in workers:
-        for kind in ("model_parallel", "sharder"):
-            _assert_matches(
-                w.result[kind], reference, 1e-4, f"{kind}, worker {w.index}"
-            )
-    shapes = [w.result["model_parallel"]["shard_shapes"] for w in workers]
+        _assert_matches(got, reference, 1e-4, f"worker {w.index}")
+    shapes = [w.result["sharder"]["shard_shapes"] for w in workers]
     assert shapes[0] == shapes[1]
     kernel = next(v for k, v in shapes[0].items() if k.endswith("d1/kernel"))
     assert kernel == {d: [12, 8] for d in DEVICES}

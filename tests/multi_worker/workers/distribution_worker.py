@@ -2,11 +2,13 @@
 
 argv: <initial weights .npz>. Calls `keras.distribution.initialize()`
 (from Keras' variables on worker 0, TF_CONFIG on worker 1), then trains
-the model of `distribution_reference` under `DataParallel`, under
-`ModelParallel` on a (batch 2 across processes) x (model 2 inside a
-process) mesh (fed by Keras' per-process cut, and by our sharder) and
-on a (1, 4) mesh whose model axis spans the processes, and reports the
-numbers, the devices and where the weights live.
+the model of `distribution_reference` under `ModelParallel` on a (batch
+2 across processes) x (model 2 inside a process) mesh fed by our sharder,
+and on a (1, 4) mesh whose model axis spans the processes (fed by Keras'
+per-process cut), and reports the numbers, the devices and where the
+weights live. `DataParallel` and the (2, 2) mesh fed by Keras' cut are
+`examples/gemma_model_parallel.py`'s, launched by
+test_distribution_gemma.py.
 """
 
 import json
@@ -55,7 +57,7 @@ try:
 except NotImplementedError as e:
     report["reordered_mesh"] = str(e)
 init = list(np.load(sys.argv[1]).values())
-for kind in ("data_parallel", "model_parallel", "model_across", "sharder"):
+for kind in ("model_across", "sharder"):
     keras.distribution.set_distribution(reference.distribution(kind))
     model = reference.build()
     model.set_weights(init)
