@@ -35,9 +35,9 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test: $(STAMP) lint docs
-	$(BIN)/pytest -q --timeout=600 -m "not multi_worker" -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/pytest -q --timeout=600 --durations=25 -m "not multi_worker" -n $(TEST_JOBS) --dist loadfile
 	# Exit code 5 means no multi-worker test was collected.
-	$(BIN)/pytest -q --timeout=600 -m multi_worker || test $$? -eq 5
+	$(BIN)/pytest -q --timeout=600 --durations=25 -m multi_worker || test $$? -eq 5
 
 clean:
 	rm -rf $(VENV) build *.egg-info site
