@@ -64,3 +64,105 @@ def test_fully_built_only_after_model_loss_metrics_and_optimizer_are():
     assert not keras_compat._fully_built(model)
     model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
     assert keras_compat._fully_built(model)
+
+
+def _steps_seen(scope, fit_args):
+    """The labels of each replica batch `fit` trains on, in order."""
+    import keras
+
+    seen = []
+
+    class Recorder(keras.Model):
+        def train_step(self, data):
+            tf.py_function(
+                lambda y: seen.append(y.numpy().tolist()), [data[1]], []
+            )
+            return super().train_step(data)
+
+    keras.utils.set_random_seed(3)
+    with scope:
+        inputs = keras.Input((1,))
+        model = Recorder(inputs, keras.layers.Dense(1)(inputs))
+        model.compile("sgd", "mse")
+    model.fit(**fit_args(), epochs=2, verbose=0, shuffle=False)
+    return seen, model.get_weights()
+
+
+def test_a_reshuffled_dataset_sees_one_devices_orders():
+    """The first build reads shapes from the spec, pulling no batch.
+
+    A dataset that reshuffles each iteration draws a new order per
+    iterator. Stock Keras under a strategy pulls a batch from one extra
+    iterator to build the model, so its epochs see orders 1 and 3 where one
+    device (which builds while tracing) sees 0 and 2. Ours see 0 and 2.
+    """
+    import numpy as np
+
+    import keras_replicator as kr
+
+    def fit_args():
+        examples = tf.data.Dataset.range(16).map(
+            lambda i: (tf.cast(i, tf.float32)[None], i)
+        )
+        return {"x": examples.shuffle(16, seed=1).batch(8)}
+
+    def flat(steps):
+        return [label for batch in steps for label in batch]
+
+    one, one_weights = _steps_seen(
+        tf.distribute.get_strategy().scope(), fit_args
+    )
+    ours, our_weights = _steps_seen(kr.LocalReplicator(2).scope(), fit_args)
+    stock, _ = _steps_seen(
+        tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope(), fit_args
+    )
+    assert flat(ours) == flat(one)
+    for a, e in zip(our_weights, one_weights, strict=True):
+        np.testing.assert_allclose(a, e, atol=1e-6, rtol=0)
+    # Stock's first epoch is one device's second order: the wasted iterator.
+    assert flat(stock)[:16] != flat(one)[:16]
+    assert sorted(flat(stock)[:16]) == list(range(16))
+
+
+def test_a_reshuffled_dataset_trains_as_one_device_under_model_parallel():
+    import keras
+    import numpy as np
+
+    def fit(distribution):
+        keras.distribution.set_distribution(distribution)
+        try:
+            keras.utils.set_random_seed(11)
+            model = keras.Sequential(
+                [
+                    keras.Input((12,)),
+                    keras.layers.Dense(16, activation="relu", name="d1"),
+                    keras.layers.Dense(3, name="d2"),
+                ]
+            )
+            model.compile(
+                keras.optimizers.Adam(0.01),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+            rng = np.random.default_rng(5)
+            x = rng.normal(size=(64, 12)).astype("float32")
+            y = rng.integers(0, 3, size=(64,)).astype("int32")
+            data = tf.data.Dataset.from_tensor_slices((x, y))
+            data = data.shuffle(64, seed=1).batch(16)
+            model.fit(data, epochs=3, verbose=0, shuffle=False)
+            return model.get_weights()
+        finally:
+            keras.distribution.set_distribution(None)
+
+    one_device = fit(None)
+    mesh = keras.distribution.DeviceMesh(
+        (2, 2), ("batch", "model"), keras.distribution.list_devices()[:4]
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*d1/kernel"] = (None, "model")
+    sharded = fit(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+    for a, e in zip(sharded, one_device, strict=True):
+        np.testing.assert_allclose(a, e, atol=1e-5, rtol=0)

@@ -41,11 +41,17 @@ replicators (local and multi-worker) this patch replaces it:
   under a strategy: its extra iterator advanced a dataset that reshuffles
   each iteration by one order per call (one device never pulls such a
   batch), and dropped the pulled batch of a one-shot generator;
-- otherwise it builds from this process's largest local replica batch, with
-  no collective. Keras' mean of the replicas' batches fails with "Inputs to
-  operation AddN ... must have the same size and shape" whenever the first
-  batch has fewer examples than there are replicas (3 examples on 4
-  replicas: one replica gets none), and the build needs only the shapes.
+- otherwise it builds from the distributed dataset's `element_spec`: no
+  iterator either, so the first epoch of a dataset that reshuffles each
+  iteration sees the order one device sees (stock Keras under
+  `MirroredStrategy` starts one order later, and every epoch stays off);
+- for sparse or ragged leaves, or unknown dimensions past the batch's, it
+  pulls a batch and builds from this process's largest local replica
+  batch, with no collective. Keras' mean of the replicas' batches fails
+  with "Inputs to operation AddN ... must have the same size and shape"
+  whenever the first batch has fewer examples than there are replicas (3
+  examples on 4 replicas: one replica gets none), and the build needs
+  only the shapes.
 
 `PATCH.pins` records the exact Keras source lines this relies on;
 `tests/test_patches.py` fails when a Keras upgrade changes them.
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from tensorflow.python.distribute import values as values_lib
 
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
@@ -68,12 +75,43 @@ def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
     if _fully_built(self):
         return None
     if iterator is not None:
+        data_batch = _batch_spec(iterator)
+    if iterator is not None and data_batch is None:
         for _, _, it in iterator:
             data_batch = tf.nest.map_structure(_largest_local, next(it))
             break
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
     return None
+
+
+def _batch_spec(iterator):
+    """One replica's batch as `tf.TensorSpec`s, or None if not all known.
+
+    Building needs only shapes and dtypes. Read from the distributed
+    dataset's `element_spec`, they cost no iterator: pulling a batch would
+    advance a dataset that reshuffles each iteration by one order, so every
+    epoch would see another order than on one device (where Keras builds
+    while tracing, from the first step's batch). None (then a batch is
+    pulled) for sparse or ragged leaves and for unknown dimensions past the
+    batch's, whose pulled sizes a layer may need to build.
+    """
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    try:
+        spec = dataset.element_spec
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return None
+    leaves = tf.nest.flatten(spec)
+    specs = []
+    for leaf in leaves:
+        if isinstance(leaf, values_lib.PerReplicaSpec):
+            leaf = leaf._value_specs[0]
+        if type(leaf) is not tf.TensorSpec:
+            return None
+        if leaf.shape.rank is None or not leaf.shape[1:].is_fully_defined():
+            return None
+        specs.append(leaf)
+    return tf.nest.pack_sequence_as(spec, specs)
 
 
 def _largest_local(leaf):
