@@ -75,6 +75,14 @@ def test_model_parallel_fed_by_our_sharder_matches_one_device(
     for w in workers:
         got = w.result["sharder"]
         assert got["replicator"] == "ProcessReplicator"
+        # MultiWorkerReplicator's features: chief-only files, preemption at
+        # the step, the hang watchdog, Keras' multi-worker fixes.
+        assert {
+            "chief_only",
+            "preemption",
+            "hang_watchdog",
+            "keras_compat",
+        } <= set(got["patches"]), got["patches"]
         _assert_matches(got, reference, 1e-4, f"worker {w.index}")
     shapes = [w.result["sharder"]["shard_shapes"] for w in workers]
     assert shapes[0] == shapes[1]

@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import distribution_lib
 
 import keras_replicator as kr
+from keras_replicator._src.patches import registry
 from tests.multi_worker import distribution_reference as reference
 from tests.multi_worker import harness
 
@@ -75,6 +76,8 @@ for kind in ("model_across", "sharder"):
             for v in model.weights
         },
         "replicator": type(tf.distribute.get_strategy()).__name__,
+        # A multi-worker replicator's features, installed for it.
+        "patches": list(registry.installed()),
     }
 keras.distribution.set_distribution(None)
 harness.write_result(report)
