@@ -3,11 +3,14 @@
 `GemmaBackbone.get_layout_map(mesh)` is keras-hub's layout (from the Gemma
 team's training config): the model axis splits heads and the feed-forward
 width, the batch axis splits the hidden size (FSDP). The model is built from
-a config (no preset download) and trained with `fit` on 2x2 and 1x4 meshes
+a config (no preset download; `examples/gemma_model_parallel.py`'s
+`build_model`) and trained with `fit` on 2x2 and 1x4 meshes
 against one device.
 """
 
 import functools
+import runpy
+from pathlib import Path
 
 import keras
 import keras_hub
@@ -21,27 +24,15 @@ from tests.test_distribution import _same_history
 from tests.test_distribution import _same_weights
 from tests.test_distribution import no_distribution  # noqa: F401
 
+# The example's model: a small GemmaCausalLM from a config, compiled.
+EXAMPLE = (
+    Path(__file__).resolve().parents[1] / "examples/gemma_model_parallel.py"
+)
+_build = runpy.run_path(str(EXAMPLE))["build_model"]
+
 
 def _gemma():
-    keras.utils.set_random_seed(1)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=64,
-        num_layers=1,
-        num_query_heads=4,
-        num_key_value_heads=4,
-        hidden_dim=16,
-        intermediate_dim=32,
-        head_dim=8,
-        dtype="float32",
-    )
-    causal_lm = keras_hub.models.GemmaCausalLM(
-        backbone=backbone, preprocessor=None
-    )
-    causal_lm.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        weighted_metrics=["accuracy"],
-    )
+    causal_lm = _build()
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 64, size=(16, 9)).astype("int32")
     x = {

@@ -49,6 +49,19 @@ def train(model, data=None):
     return history.history
 
 
+def one_device_run(folder):
+    """The reference: initial weights saved to `folder`, then one device.
+
+    Returns:
+        `{"init": <initial weights .npz>, "history": ..., "weights": ...}`.
+    """
+    model = build()
+    init = folder / "init.npz"
+    np.savez(init, *model.get_weights())
+    history = train(model)
+    return {"init": init, "history": history, "weights": model.get_weights()}
+
+
 def distribution(kind):
     """A distribution over every listed device.
 

@@ -10,7 +10,6 @@ one device. One process group for every check. The launched
 test_distribution_launchers.py's.
 """
 
-import numpy as np
 import pytest
 
 from tests import helpers
@@ -23,12 +22,9 @@ DEVICES = [f"/job:worker/task:{t}/cpu:{i}" for t in range(2) for i in range(2)]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("distribution")
-    model = distribution_reference.build()
-    init = tmp / "init.npz"
-    np.savez(init, *model.get_weights())
-    history = distribution_reference.train(model)
-    return {"init": init, "history": history, "weights": model.get_weights()}
+    return distribution_reference.one_device_run(
+        tmp_path_factory.mktemp("distribution")
+    )
 
 
 @pytest.fixture(scope="module")

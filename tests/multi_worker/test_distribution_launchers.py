@@ -52,12 +52,9 @@ PORT_CLASH = ("Address already in use", "Failed to add port")
 def reference(tmp_path_factory):
     from tests.multi_worker import distribution_reference
 
-    tmp = tmp_path_factory.mktemp("distribution_launchers")
-    model = distribution_reference.build()
-    init = tmp / "init.npz"
-    np.savez(init, *model.get_weights())
-    history = distribution_reference.train(model)
-    return {"init": init, "history": history, "weights": model.get_weights()}
+    return distribution_reference.one_device_run(
+        tmp_path_factory.mktemp("distribution_launchers")
+    )
 
 
 def _launcher_free_env(extra):
