@@ -36,6 +36,7 @@ def _fit(
     sig=signal.SIGTERM,
     backup=True,
     replicas=2,
+    extra_callbacks=(),
     **fit_kwargs,
 ):
     replicator = kr.LocalReplicator(replicas)
@@ -46,7 +47,7 @@ def _fit(
             os.kill(os.getpid(), sig)
 
     probe = ref.Probe(at_step)
-    callbacks = [probe]
+    callbacks = [probe, *extra_callbacks]
     if backup:
         callbacks.insert(0, keras.callbacks.BackupAndRestore(backup_dir))
     model.fit(
@@ -149,6 +150,34 @@ def test_configured_signal_and_an_epoch_end_backup(references, tmp_path):
     weights, trained = _fit("dataset", backup_dir)
     assert trained[0] == (1, 0)
     assert_weights_close(weights, references["dataset"])
+
+
+class _SigtermAtTheLastEpochEnd(keras.callbacks.Callback):
+    """SIGTERM after the last step's check: in the last epoch's end."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == ref.EPOCHS - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_after_the_last_step_backs_up_the_end_and_leaves(
+    references, tmp_path
+):
+    # Stock Keras would re-deliver the signal after fit (the script dies
+    # before its own final save) with the backup already deleted.
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(SystemExit) as stopped:
+        _fit(
+            "arrays", backup_dir, extra_callbacks=[_SigtermAtTheLastEpochEnd()]
+        )
+    preemption.cancel_exit_deadline()
+    assert stopped.value.code == 75
+    assert _metadata(backup_dir)["epoch"] == ref.EPOCHS
+    # The restarted script's fit trains nothing and returns.
+    weights, trained = _fit("arrays", backup_dir)
+    assert trained == []
+    assert_weights_close(weights, references["arrays"])
+    assert not os.path.exists(backup_dir)
 
 
 @pytest.mark.parametrize("kind", ["arrays", "distribute"])

@@ -2,7 +2,9 @@
 
 `keras-replicator launch` restarts a group whose worker was SIGKILLed; a
 SIGTERM to one worker or to the launcher stops every worker at the same
-step with a backup there and exit code 75; the same command resumes. One
+step with a backup there and exit code 75, also when the signal comes after
+the last step's check (the backup is then of the end); the same command
+resumes. One
 `LocalReplicator(2)` process killed while writing its backup leaves the
 previous one, resumes from it, stops at the step on SIGTERM and resumes
 again; a simulated Slurm job gets SIGUSR1 and is requeued. Every run must
@@ -134,13 +136,26 @@ def test_sigterm_to_a_worker_then_to_the_launcher_resumes_exactly(
     assert 18 <= resaved < 3 * ref.STEPS_PER_EPOCH, resaved
     assert ref.step_of(trained[-1]) + 1 in (resaved, resaved + 1)
 
-    # 3. The same command trains only the rest, to the uninterrupted weights.
-    third = _start(_launcher(backup), tmp_path, "third", {})
-    assert third.wait(timeout=240) == 0, third.output()[-4000:]
+    # 3. The same command trains only the rest. Worker 1 gets SIGTERM
+    # after the last step's check: every worker backs up the end and
+    # leaves with 75 (instead of dying after fit with the backup gone).
+    third = _start(
+        _launcher(backup), tmp_path, "third", {"PREEMPT_TERM_AT_END": "1"}
+    )
+    assert third.wait(timeout=240) == PREEMPTED, third.output()[-4000:]
+    assert "stopped at the end of epoch 3" in third.output()
     for index in (0, 1):
-        result = third.result(index)
-        assert ref.step_of(result["trained"][0]) == resaved
-        assert len(result["trained"]) == ref.TOTAL_STEPS - resaved
+        trained = third.result(index)["trained"]
+        assert ref.step_of(trained[0]) == resaved
+        assert len(trained) == ref.TOTAL_STEPS - resaved
+    assert ref.backup_step(backup) == ref.TOTAL_STEPS
+
+    # 4. The same command: nothing left to train, the uninterrupted weights.
+    fourth = _start(_launcher(backup), tmp_path, "fourth", {})
+    assert fourth.wait(timeout=240) == 0, fourth.output()[-4000:]
+    for index in (0, 1):
+        result = fourth.result(index)
+        assert result["trained"] == []
         ref.assert_weights(result, references[4])
 
 

@@ -159,7 +159,26 @@ def _on_train_batch_end(original, self, batch, logs=None):
     return None
 
 
-def _stop(callbacks, run: _Run) -> None:
+def _on_train_end(original, self, logs=None):
+    run = _run_for(self.model)
+    if run is not None and not getattr(self.model, "stop_training", False):
+        # Every worker gets here together, after the same steps. A signal
+        # after the last check: the training is done, but the process was
+        # asked to leave. Back up the end before Keras deletes the backup,
+        # and leave: the restarted script's fit trains nothing and goes on
+        # to what follows it. (Stock behaviour re-delivers the signal after
+        # fit, killing the script before its own final save, with the
+        # backup already gone.) Several workers agree with one more sum,
+        # which is also the barrier a fit that trained nothing (resumed at
+        # its end) needs: no worker deletes the backup before every worker
+        # restored it.
+        if run.agreement.should_stop_at_end():
+            # A fit that trained nothing leaves the restored backup as is.
+            _stop(self, run, save=run.in_epochs)
+    return original(self, logs)
+
+
+def _stop(callbacks, run: _Run, save: bool = True) -> None:
     """Every worker at the same step: back up, then exit."""
     if getattr(callbacks, "_async_train", False):
         callbacks._flush_futures()
@@ -168,7 +187,7 @@ def _stop(callbacks, run: _Run) -> None:
         for c in callbacks.callbacks
         if isinstance(c, keras.callbacks.BackupAndRestore)
     ]
-    for backup in backups:
+    for backup in backups if save else ():
         backup._save_model()
     signum = preemption.pending()
     cause = "a preemption signal on another worker"
@@ -176,15 +195,22 @@ def _stop(callbacks, run: _Run) -> None:
         cause = preemption.signal_name(signum)
     if not backups:
         saved = "no BackupAndRestore callback, nothing saved"
+    elif not save:
+        saved = "nothing trained since the backup, kept as it is"
     elif getattr(run.strategy, "is_chief", True):
         saved = "backup written to " + ", ".join(
             os.fspath(b.backup_dir) for b in backups
         )
     else:
         saved = "the chief wrote the backup"
+    where = f"after step {run.done} of epoch {run.epoch + 1}"
+    if not save:
+        where = "at the end"
+    elif run.done == 0 and run.epoch > 0:
+        where = f"at the end of epoch {run.epoch}"
     preemption.leave(
-        f"preempted ({cause}): stopped after step {run.done} of epoch "
-        f"{run.epoch + 1}; {saved}; exiting with code {preemption.EXIT_CODE}"
+        f"preempted ({cause}): stopped {where}; {saved}; exiting with code "
+        f"{preemption.EXIT_CODE}"
     )
 
 
@@ -554,6 +580,7 @@ PATCH = registry.register(
             registry.Target(_List, "on_epoch_begin", _on_epoch_begin),
             registry.Target(_List, "on_epoch_end", _on_epoch_end),
             registry.Target(_List, "on_train_batch_end", _on_train_batch_end),
+            registry.Target(_List, "on_train_end", _on_train_end),
             registry.Target(_Backup, "_save_model", _save_model),
             registry.Target(_Backup, "_load_model", _load_model),
             registry.Target(
@@ -598,6 +625,7 @@ PATCH = registry.register(
                     "callbacks.on_epoch_begin(epoch)",
                     "callbacks.on_train_batch_end(end_step, logs)",
                     "callbacks.on_epoch_end(epoch, epoch_logs)",
+                    "callbacks.on_train_end(logs=training_logs)",
                     "initial_epoch = self._initial_epoch or initial_epoch",
                 ),
             ),

@@ -19,9 +19,12 @@ take about as long as at the previous check (intervals are at most 100
 steps and at most double from one check to the next). A single process
 checks its flag every step, for free.
 
-Outside `fit` the handlers are not installed. A signal that arrives during
-a `fit` that then ends before the next check is delivered again, to the
-previous handler, when the `fit` returns: it is never swallowed.
+Outside `fit` the handlers are not installed. A signal that arrives after
+the last step's check of a `fit` that trains to its last epoch is acted on
+at the training's end (`Agreement.should_stop_at_end`, in the preemption
+patch's `on_train_end`). One that arrives during a `fit` that ends
+otherwise (stopped early) is delivered again, to the previous handler,
+when the `fit` returns: it is never swallowed.
 """
 
 from __future__ import annotations
@@ -208,6 +211,22 @@ class Agreement:
         )
         self._next_check = self._steps + self._interval
         self._since, self._since_step = time.monotonic(), self._steps
+        return bool(total[0] > 0)
+
+    def should_stop_at_end(self) -> bool:
+        """Called once, at the end of a fit that trained every epoch.
+
+        A signal after the last check is acted on there. Every worker
+        reaches it together, so several workers agree with one more sum.
+        """
+        if self._workers == 1:
+            return _flag.signum is not None
+        from keras_replicator._src import collectives
+
+        local = np.array([float(_flag.signum is not None), 0.0], np.float64)
+        total = collectives.sum_over_workers(
+            self._strategy, local, self._workers
+        )
         return bool(total[0] > 0)
 
 

@@ -25,6 +25,8 @@ environment adds test instrumentation:
 - `PREEMPT_SLOW_SAVE`: seconds; worker 0's first backup save takes that
   much longer (after writing its file).
 - `PREEMPT_VALIDATE`: "1" adds validation data to the fit.
+- `PREEMPT_TERM_AT_END`: "1": worker 1 sends itself SIGTERM at the end of
+  the last epoch, after the last step's check.
 
 At the end it reports its final weights and the (epoch, batch) of every
 step it trained (only the steps, when preempted).
@@ -128,10 +130,21 @@ backup = keras.callbacks.BackupAndRestore(
     backup_dir, save_freq=int(save_freq) if save_freq else "epoch"
 )
 probe = ref.Probe(_at_step)
+callbacks = [backup, probe]
+
+
+class _TermAtEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == ref.EPOCHS - 1 and index == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+if os.environ.get("PREEMPT_TERM_AT_END") == "1":
+    callbacks.append(_TermAtEnd())
 if os.environ.get("PREEMPT_VALIDATE") == "1":
     inputs["validation_data"] = (inputs["x"][:16], inputs["y"][:16])
 try:
-    model.fit(**inputs, epochs=ref.EPOCHS, callbacks=[backup, probe], verbose=0)
+    model.fit(**inputs, epochs=ref.EPOCHS, callbacks=callbacks, verbose=0)
 except SystemExit:
     # Preempted: what it trained before it stopped.
     harness.write_result({"trained": probe.trained, "preempted": True})
