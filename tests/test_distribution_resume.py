@@ -12,8 +12,10 @@ devices and stopped by SIGTERM in the second epoch; resumed under a (2, 2)
 mesh to the end. Each stop exits with `preemption.EXIT_CODE` and backs up
 at its step, each resume starts at the step the last one stopped at, the
 legs' steps add up to the whole training, and the weights are those of an
-uninterrupted fit on one device (1e-5). The first backup's hidden kernel
-and its Adam slots are stored whole, (5, 8), not as one (5, 2) block.
+uninterrupted fit on one device (1e-5). Resuming the first backup with
+other batches (twice the global batch) mid-epoch raises the `ValueError`
+that says it cannot be exact, as without a mesh. The first backup's hidden
+kernel and its Adam slots are stored whole, (5, 8), not as one (5, 2) block.
 The same chain across two workers is in
 `tests/multi_worker/test_distribution_resume.py`.
 """
@@ -25,6 +27,7 @@ import signal
 import h5py
 import keras
 import pytest
+import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src.training import preemption
@@ -39,7 +42,7 @@ SECOND_STOP = 11  # step 3 of the second epoch
 HIDDEN = (5, 8)  # the hidden kernel, split by columns on the model axis
 
 
-def _fit(distribution, backup, stop_at=None):
+def _fit(distribution, backup, stop_at=None, data=None):
     """A new model fit under `distribution`; weights, steps, hidden kernel.
 
     SIGTERM is sent from inside the fit after step `stop_at` (1-based, of
@@ -60,7 +63,7 @@ def _fit(distribution, backup, stop_at=None):
         kernel = model.get_layer("hidden").kernel
         fit = functools.partial(
             model.fit,
-            reference.preempt_dataset(),
+            reference.preempt_dataset() if data is None else data,
             shuffle=False,
             epochs=ref.EPOCHS,
             callbacks=callbacks,
@@ -109,6 +112,21 @@ def test_a_backup_resumes_on_a_1x4_mesh_data_parallel_then_a_2x2_mesh(
     # Whole values: the kernel and its two Adam slots, not 4 blocks.
     assert _stored_shapes(backup).count(HIDDEN) == 3
     assert (5, 2) not in _stored_shapes(backup)
+
+    # Other batches (twice the global batch) cannot resume mid-epoch
+    # exactly: refused, as without a mesh, and the backup is left.
+    inputs = ref.fit_inputs("arrays", None)
+    doubled = tf.data.Dataset.from_tensor_slices(
+        (inputs["x"], inputs["y"])
+    ).batch(2 * ref.GLOBAL_BATCH)
+    with pytest.raises(ValueError, match="cannot resume exactly") as info:
+        _fit(
+            keras.distribution.DataParallel(devices=devices),
+            backup,
+            data=doubled,
+        )
+    assert "its epochs had 8 batches and have 4 here" in str(info.value)
+    assert ref.backup_step(backup) == FIRST_STOP
 
     # DataParallel over the same devices: resumed there, stopped again.
     _, second, _ = _fit(
