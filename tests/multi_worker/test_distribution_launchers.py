@@ -7,15 +7,16 @@ our discovery does, with no TF_CONFIG and no cluster code in the script:
 - under `mpiexec -n 2` (PyPI's mpich; the ranks exchange addresses with
   mpi4py),
 - as two tasks of a Slurm job step on one node (emulated: two real local
-  processes with the variables `srun` sets, ports derived from the job id),
-- inside `kr.launch(fn, workers=2)` (TF_CONFIG from the launcher).
+  processes with the variables `srun` sets, ports derived from the job id).
+
+`keras-replicator launch` is test_distribution_gemma.py's, and
+`kr.launch(fn, workers=2)` from a Jupyter kernel test_notebook_launch.py's.
 
 Each run is 2 processes x 2 CPU replicas training `distribution_reference`
 under keras.distribution; both processes must end with one device's
 history and weights. One one-device reference serves every test.
 """
 
-import _thread
 import contextlib
 import json
 import os
@@ -24,11 +25,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests import helpers
@@ -274,92 +273,3 @@ def test_initialize_as_slurm_tasks_matches_one_device(reference, tmp_path):
     workers = [f"localhost:{p}" for p in _slurm_ports(job_id, 2)]
     for rank, got in enumerate(results):
         assert got["workers"] == workers, (rank, got["workers"], job_id)
-
-
-def train_under_keras_distribution(init_path):
-    """Run by `kr.launch` in each worker: keras.distribution alone.
-
-    `initialize()` with no arguments (the launcher's TF_CONFIG), then
-    `ModelParallel` on a (2, 2) mesh: batch across the 2 processes, the
-    layout map's kernels split over each process's 2 devices.
-    """
-    import keras
-    import tensorflow as tf
-    from keras.src.backend.tensorflow import distribution_lib
-
-    import keras_replicator  # noqa: F401 - runs keras.distribution on TF
-    from tests.multi_worker import distribution_reference as reference
-
-    keras.distribution.initialize()
-    report = {
-        "num_processes": distribution_lib.num_processes(),
-        "process_id": distribution_lib.process_id(),
-        "devices": keras.distribution.list_devices(),
-    }
-    keras.distribution.set_distribution(
-        reference.distribution("model_parallel")
-    )
-    model = reference.build()
-    model.set_weights(list(np.load(init_path).values()))
-    report["history"] = reference.train(model)
-    report["weights"] = model.get_weights()
-    report["replicator"] = type(tf.distribute.get_strategy()).__name__
-    keras.distribution.set_distribution(None)
-    return report
-
-
-@contextlib.contextmanager
-def _interrupt_after(seconds):
-    """Interrupts the main thread (as Ctrl-C does) after `seconds`.
-
-    `kr.launch` ends every worker when interrupted; the flag set says the
-    interrupt was this deadline.
-    """
-    fired = threading.Event()
-
-    def fire():
-        fired.set()
-        _thread.interrupt_main()
-
-    timer = threading.Timer(seconds, fire)
-    timer.start()
-    try:
-        yield fired
-    finally:
-        timer.cancel()
-
-
-@pytest.mark.timeout(RUN_TIMEOUT + 60)
-def test_kr_launch_runs_a_keras_distribution_function(reference, capsys):
-    """`kr.launch(fn, workers=2)`: fn uses keras.distribution only."""
-    import keras_replicator as kr
-
-    try:
-        with _interrupt_after(RUN_TIMEOUT) as fired:
-            results = kr.launch(
-                train_under_keras_distribution,
-                str(reference["init"]),
-                workers=2,
-                replicas_per_worker=2,
-            )
-    except BaseException as error:  # noqa: BLE001 - report with the output
-        why = (
-            f"did not return within {RUN_TIMEOUT} s"
-            if fired.is_set()
-            else f"raised {error!r}"
-        )
-        output = capsys.readouterr().out
-        pytest.fail(
-            f"kr.launch {why}; the workers' output ends:\n{output[-4000:]}"
-        )
-    assert len(results) == 2, len(results)
-    for rank, got in enumerate(results):
-        what = f"kr.launch worker {rank}"
-        assert got["num_processes"] == 2, (what, got["num_processes"])
-        assert got["process_id"] == rank, (what, got["process_id"])
-        assert got["devices"] == DEVICES, (what, got["devices"])
-        assert got["replicator"] == "ProcessReplicator", (
-            what,
-            got["replicator"],
-        )
-        _assert_one_device(got, reference, 1e-4, what)

@@ -1,9 +1,13 @@
 """kr.launch from a real Jupyter kernel: a function defined in a cell.
 
 The kernel defines `train()` in a cell (so it lives in `__main__` and must
-be sent by value), runs `kr.launch(train, workers=2)` twice, and compares
-both workers' weights with one device. Then it starts a run that never
-ends, the test interrupts the kernel, and no worker process may be left.
+be sent by value), runs `kr.launch(train, workers=2)`, then a function that
+uses `keras.distribution` alone (`initialize()`, `ModelParallel` on a
+(batch 2 across the workers) x (model 2 inside each) mesh) with
+`kr.launch(train_distributed, workers=2, replicas_per_worker=2)`, and
+compares both workers' weights with one device each time. Then it starts
+a run that never ends, the test interrupts the kernel, and no worker
+process may be left.
 """
 
 import json
@@ -51,6 +55,35 @@ def one_device(epochs):
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     return model.get_weights()
 
+def train_distributed(epochs):
+    # keras.distribution alone: initialize() finds kr.launch's cluster;
+    # batch across the 2 workers, the hidden kernel split over each
+    # worker's 2 devices.
+    import keras
+    import tensorflow as tf
+    keras.distribution.initialize()
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*hidden/kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"))
+    x = np.linspace(0, 1, 96, dtype="float32").reshape(48, 2)
+    y = np.stack([x.sum(1), x[:, 0] - x[:, 1]], 1)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((2,)),
+         keras.layers.Dense(8, activation="tanh", name="hidden"),
+         keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.2), "mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16),
+              epochs=epochs, verbose=2)
+    return {"backend": type(tf.distribute.get_strategy()).__name__,
+            "devices": len(devices),
+            "blocks": sorted({tuple(b) for b in kr.shard_shapes(
+                model.get_layer("hidden").kernel).values()}),
+            "weights": model.get_weights()}
+
 def sleeper(folder):
     with open(os.path.join(folder, str(os.getpid())), "w") as f:
         f.write("up")
@@ -58,11 +91,13 @@ def sleeper(folder):
 """
 
 LAUNCH = """
-results = kr.launch(train, 3, workers=2)
+results = kr.launch(FN, 3, workers=2REPLICAS)
 reference = one_device(3)
 print("RESULT", json.dumps({
     "count": len(results),
     "backends": [r["backend"] for r in results],
+    "devices": [r.get("devices") for r in results],
+    "blocks": [r.get("blocks") for r in results],
     "between": max(float(np.abs(a - b).max()) for a, b in
                    zip(results[0]["weights"], results[1]["weights"])),
     "to_one_device": max(float(np.abs(a - b).max()) for a, b in
@@ -93,17 +128,33 @@ def test_launch_from_a_kernel_runs_twice_and_interrupt_ends_workers(tmp_path):
     with harness.jupyter_kernel(tmp_path) as (manager, client):
         reply, output = _execute(client, DEFINE, timeout=60)
         assert reply["status"] == "ok", output
-        for run in range(2):
-            reply, output = _execute(client, LAUNCH, timeout=150)
+        # Twice: the replicator's function, then a keras.distribution one.
+        runs = [
+            ("train", "", "MultiWorkerReplicator", None, 1e-5),
+            (
+                "train_distributed",
+                ", replicas_per_worker=2",
+                "ProcessReplicator",
+                4,
+                1e-4,
+            ),
+        ]
+        for fn, replicas, backend, devices, atol in runs:
+            cell = LAUNCH.replace("FN", fn).replace("REPLICAS", replicas)
+            reply, output = _execute(client, cell, timeout=150)
             assert reply["status"] == "ok", output
             r = _result(output)
             assert r["count"] == 2, output
-            assert r["backends"] == ["MultiWorkerReplicator"] * 2
-            assert r["between"] <= 1e-5, (run, r)
-            assert r["to_one_device"] <= 1e-5, (run, r)
-            # The workers' output streamed into the cell, prefixed.
-            assert "[worker 1] replicas in sync: 2" in output
-            # Progress on the chief only.
+            assert r["backends"] == [backend] * 2
+            assert r["devices"] == [devices] * 2
+            assert r["between"] <= 1e-5, (fn, r)
+            assert r["to_one_device"] <= atol, (fn, r)
+            # Progress on the chief only, streamed into the cell, prefixed.
+            if fn == "train":
+                assert "[worker 1] replicas in sync: 2" in output
+            else:
+                # The hidden kernel (2, 8): a (2, 4) block on each device.
+                assert r["blocks"] == [[[2, 4]]] * 2, r
             assert "[worker 0] Epoch 3/3" in output
             assert "[worker 1] Epoch" not in output
 
