@@ -1,11 +1,12 @@
-"""keras-hub's Gemma under ModelParallel, sharded by its own layout map.
+"""keras-hub's Gemma and Llama under ModelParallel, by their own layout maps.
 
-`GemmaBackbone.get_layout_map(mesh)` is keras-hub's layout (from the Gemma
-team's training config): the model axis splits heads and the feed-forward
-width, the batch axis splits the hidden size (FSDP). The model is built from
-a config (no preset download; `examples/gemma_model_parallel.py`'s
-`build_model`) and trained with `fit` on 2x2 and 1x4 meshes
-against one device.
+`GemmaBackbone.get_layout_map(mesh)` and `LlamaBackbone`'s are keras-hub's
+layouts (from the Gemma team's training config): the model axis splits
+heads and the feed-forward width, the batch axis splits the hidden size
+(FSDP). The models are built from a config (no preset download; Gemma is
+`examples/gemma_model_parallel.py`'s `build_model`) and trained with `fit`
+on 2x2 and 1x4 meshes (Llama, with grouped-query attention: 2x2) against
+one device.
 """
 
 import functools
@@ -32,7 +33,33 @@ _build = runpy.run_path(str(EXAMPLE))["build_model"]
 
 
 def _gemma():
-    causal_lm = _build()
+    return _fit(_build())
+
+
+def _llama():
+    """A small LlamaCausalLM from a config (grouped-query attention)."""
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        dtype="float32",
+    )
+    causal_lm = keras_hub.models.LlamaCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    causal_lm.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+    return _fit(causal_lm)
+
+
+def _fit(causal_lm):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 64, size=(16, 9)).astype("int32")
     x = {
@@ -67,5 +94,32 @@ def test_keras_hub_gemma_layout_map_trains_as_one_device(shape, table):
     assert kr.shard_shapes(embeddings) == {f"cpu:{i}": table for i in range(4)}
     query = model.backbone.get_layer("decoder_block_0").attention.query_dense
     assert placements.of(query.kernel) is not None
+    _same_history(h0, h1, rtol=1e-4)
+    _same_weights(reference, model, rtol=1e-4)
+
+
+def test_keras_hub_llama_layout_map_trains_as_one_device():
+    keras.distribution.set_distribution(None)
+    reference, h0 = _llama()
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(_mesh((2, 2)))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+    model, h1 = _llama()
+    # Keys and values have 2 heads, queries 4: (hidden 16, heads, 4) split
+    # (model, batch, None).
+    attention = model.backbone.get_layer(
+        "transformer_layer_0"
+    )._self_attention_layer
+    shapes = {
+        "query": (8, 2, 4),
+        "key": (8, 1, 4),
+        "value": (8, 1, 4),
+    }
+    for name, block in shapes.items():
+        kernel = getattr(attention, f"_{name}_dense").kernel
+        assert set(kr.shard_shapes(kernel).values()) == {block}, name
     _same_history(h0, h1, rtol=1e-4)
     _same_weights(reference, model, rtol=1e-4)
