@@ -3,11 +3,12 @@
 `keras.distribution.initialize()` (from TF_CONFIG on one worker, from
 Keras' `KERAS_DISTRIBUTION_*` variables on the other), then `ModelParallel`
 on a (batch 2 across workers) x (model 2 inside a worker) mesh fed by our
-sharder, and on a (1, 4) mesh whose model axis spans the workers, against
-one device. One process group for every check. The launched
-`DataParallel` / `ModelParallel` script is test_distribution_gemma.py's;
-`initialize()` under mpiexec, Slurm and `kr.launch` is
-test_distribution_launchers.py's.
+sharder, on a (1, 4) mesh whose model axis spans the workers, and on data
+of unknown length (a `filter`), against one device. One process group for
+every check. The launched `DataParallel` / `ModelParallel` script is
+test_distribution_gemma.py's; `initialize()` under mpiexec and Slurm is
+test_distribution_launchers.py's, under `kr.launch` from a notebook
+test_notebook_launch.py's.
 """
 
 import pytest
@@ -24,6 +25,13 @@ DEVICES = [f"/job:worker/task:{t}/cpu:{i}" for t in range(2) for i in range(2)]
 def reference(tmp_path_factory):
     return distribution_reference.one_device_run(
         tmp_path_factory.mktemp("distribution")
+    )
+
+
+@pytest.fixture(scope="module")
+def unknown_length_reference(tmp_path_factory):
+    return distribution_reference.one_device_run(
+        tmp_path_factory.mktemp("unknown_length"), known_length=False
     )
 
 
@@ -96,3 +104,20 @@ def test_a_model_axis_across_workers_matches_one_device(workers, reference):
             v for k, v in got["shard_shapes"].items() if k.endswith("d1/kernel")
         )
         assert kernel == {d: [12, 4] for d in DEVICES}
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(420)
+# Keras says so at each epoch's end, on one device too.
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_data_of_unknown_length_matches_one_device(
+    workers, unknown_length_reference
+):
+    # Keras finds each epoch's end by running out of data, on every worker.
+    for w in workers:
+        _assert_matches(
+            w.result["unknown_length"],
+            unknown_length_reference,
+            1e-5,
+            f"worker {w.index}",
+        )

@@ -5,7 +5,8 @@ argv: <initial weights .npz>. Calls `keras.distribution.initialize()`
 the model of `distribution_reference` under `ModelParallel` on a (batch
 2 across processes) x (model 2 inside a process) mesh fed by our sharder,
 and on a (1, 4) mesh whose model axis spans the processes (fed by Keras'
-per-process cut), and reports the numbers, the devices and where the
+per-process cut; and the (2, 2) mesh again on data of unknown length),
+and reports the numbers, the devices and where the
 weights live. `DataParallel` and the (2, 2) mesh fed by Keras' cut are
 `examples/gemma_model_parallel.py`'s, launched by
 test_distribution_gemma.py.
@@ -58,11 +59,14 @@ try:
 except NotImplementedError as e:
     report["reordered_mesh"] = str(e)
 init = list(np.load(sys.argv[1]).values())
-for kind in ("model_across", "sharder"):
-    keras.distribution.set_distribution(reference.distribution(kind))
+for kind in ("model_across", "sharder", "unknown_length"):
+    mesh = "model_parallel" if kind == "unknown_length" else kind
+    keras.distribution.set_distribution(reference.distribution(mesh))
     model = reference.build()
     model.set_weights(init)
     data = None
+    if kind == "unknown_length":
+        data = reference.dataset(known_length=False)
     if kind == "sharder":
         data = tf.distribute.get_strategy().distribute(
             reference.dataset(batched=False), reference.GLOBAL_BATCH
