@@ -71,6 +71,21 @@ def one_device_run(folder, known_length=True):
     return {"init": init, "history": history, "weights": model.get_weights()}
 
 
+def assert_matches(got, reference, atol, what):
+    """`got`'s history and weights equal `reference`'s (`one_device_run`)."""
+    from tests import helpers
+
+    assert sorted(got["history"]) == sorted(reference["history"]), what
+    for key, values in reference["history"].items():
+        helpers.assert_close(
+            got["history"][key], values, f"{what} {key}", atol=atol
+        )
+    for i, (a, e) in enumerate(
+        zip(got["weights"], reference["weights"], strict=True)
+    ):
+        helpers.assert_close(a, e, f"{what} weight {i}", atol=atol)
+
+
 def distribution(kind):
     """A distribution over every listed device.
 

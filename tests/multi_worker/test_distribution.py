@@ -13,7 +13,6 @@ test_notebook_launch.py's.
 
 import pytest
 
-from tests import helpers
 from tests.multi_worker import distribution_reference
 from tests.multi_worker import harness
 
@@ -46,18 +45,6 @@ def workers(reference):
     )
 
 
-def _assert_matches(got, reference, atol, what):
-    assert sorted(got["history"]) == sorted(reference["history"])
-    for key, values in reference["history"].items():
-        helpers.assert_close(
-            got["history"][key], values, f"{what} {key}", atol=atol
-        )
-    for i, (a, e) in enumerate(
-        zip(got["weights"], reference["weights"], strict=True)
-    ):
-        helpers.assert_close(a, e, f"{what} weight {i}", atol=atol)
-
-
 @pytest.mark.multi_worker
 @pytest.mark.timeout(420)
 def test_initialize_lists_every_workers_devices(workers):
@@ -87,7 +74,9 @@ def test_model_parallel_fed_by_our_sharder_matches_one_device(
             "hang_watchdog",
             "keras_compat",
         } <= set(got["patches"]), got["patches"]
-        _assert_matches(got, reference, 1e-4, f"worker {w.index}")
+        distribution_reference.assert_matches(
+            got, reference, 1e-4, f"worker {w.index}"
+        )
     shapes = [w.result["sharder"]["shard_shapes"] for w in workers]
     assert shapes[0] == shapes[1]
     kernel = next(v for k, v in shapes[0].items() if k.endswith("d1/kernel"))
@@ -99,7 +88,9 @@ def test_model_parallel_fed_by_our_sharder_matches_one_device(
 def test_a_model_axis_across_workers_matches_one_device(workers, reference):
     for w in workers:
         got = w.result["model_across"]
-        _assert_matches(got, reference, 1e-4, f"worker {w.index}")
+        distribution_reference.assert_matches(
+            got, reference, 1e-4, f"worker {w.index}"
+        )
         kernel = next(
             v for k, v in got["shard_shapes"].items() if k.endswith("d1/kernel")
         )
@@ -115,7 +106,7 @@ def test_data_of_unknown_length_matches_one_device(
 ):
     # Keras finds each epoch's end by running out of data, on every worker.
     for w in workers:
-        _assert_matches(
+        distribution_reference.assert_matches(
             w.result["unknown_length"],
             unknown_length_reference,
             1e-5,

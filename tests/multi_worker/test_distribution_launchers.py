@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import helpers
+from tests.multi_worker import distribution_reference
 from tests.multi_worker import harness
 
 pytestmark = pytest.mark.multi_worker
@@ -49,8 +49,6 @@ PORT_CLASH = ("Address already in use", "Failed to add port")
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from tests.multi_worker import distribution_reference
-
     return distribution_reference.one_device_run(
         tmp_path_factory.mktemp("distribution_launchers")
     )
@@ -144,18 +142,6 @@ def _read_ranks(out_dir, codes, outputs):
     return results
 
 
-def _assert_one_device(got, reference, atol, what):
-    assert sorted(got["history"]) == sorted(reference["history"]), what
-    for key, values in reference["history"].items():
-        helpers.assert_close(
-            got["history"][key], values, f"{what} {key}", atol=atol
-        )
-    for i, (a, e) in enumerate(
-        zip(got["weights"], reference["weights"], strict=True)
-    ):
-        helpers.assert_close(a, e, f"{what} weight {i}", atol=atol)
-
-
 def _check_discovered(results, reference):
     for rank, got in enumerate(results):
         what = f"process {rank}"
@@ -168,7 +154,7 @@ def _check_discovered(results, reference):
             what,
             got["replicator"],
         )
-        _assert_one_device(got, reference, 1e-5, what)
+        distribution_reference.assert_matches(got, reference, 1e-5, what)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
