@@ -20,7 +20,7 @@ steps and at most double from one check to the next). A single process
 checks its flag every step, for free.
 
 Outside `fit` the handlers are not installed. A signal that arrives after
-the last step's check of a `fit` that trains to its last epoch is acted on
+the last step's check of a `fit` that runs to its last epoch is acted on
 at the training's end (`Agreement.should_stop_at_end`, in the preemption
 patch's `on_train_end`). One that arrives during a `fit` that ends
 otherwise (stopped early) is delivered again, to the previous handler,
@@ -214,10 +214,11 @@ class Agreement:
         return bool(total[0] > 0)
 
     def should_stop_at_end(self) -> bool:
-        """Called once, at the end of a fit that trained every epoch.
+        """Called once, at the end of a fit not stopped early.
 
         A signal after the last check is acted on there. Every worker
-        reaches it together, so several workers agree with one more sum.
+        reaches it together (after the same steps, none in a fit resumed
+        at its end), so several workers agree with one more sum.
         """
         if self._workers == 1:
             return _flag.signum is not None
