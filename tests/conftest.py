@@ -42,3 +42,27 @@ def restore_patches():
     yield registry
     registry.uninstall_all()
     registry.install(before)
+
+
+@pytest.fixture(autouse=True)
+def _stock_strategies_take_fresh_collective_keys(monkeypatch):
+    """Each test's stock `MirroredStrategy`s number their groups apart.
+
+    Every stock `MirroredStrategy` in a process numbers its collective
+    groups from 1 (`_collective_key_base`, "only set this in tests"), so
+    a collective one test left unfinished (a replica that raised before
+    joining it) meets the next test's first collective with the same group
+    and instance key, which aborts it ("Shape mismatch in the collective
+    instance 100 ... Restart your program to reset") and poisons the
+    process for every later test. Our replicators take their own key
+    blocks (`replicators/base.py`); stock ones get a fresh block per test.
+    """
+    import tensorflow as tf
+
+    from keras_replicator._src.replicators import base
+
+    monkeypatch.setattr(
+        tf.distribute.MirroredStrategy,
+        "_collective_key_base",
+        base.next_collective_key_base(),
+    )
