@@ -50,14 +50,17 @@ def _stock_strategies_take_fresh_collective_keys(monkeypatch):
 
     Every stock `MirroredStrategy` (and `MultiWorkerMirroredStrategy`) in a
     process numbers its collective groups from 1 (`_collective_key_base`,
-    "only set this in tests"), so a collective one test left unfinished
-    meets the next test's first collective with the same group and
-    instance key, which aborts it ("Shape mismatch in the collective
-    instance 100 ... Restart your program to reset") and poisons the
-    process for every later test (seen once in CI; the unfinished one was
-    not identified). Our replicators take their own key blocks
-    (`replicators/base.py`, instance attributes); stock ones get a fresh
-    block per test.
+    "only set this in tests") and its instances from 100, and TensorFlow's
+    collective runtime remembers an instance's shape: a second stock
+    strategy over the same devices whose first collective has another
+    shape fails ("Shape mismatch in the collective instance 100 ... Restart
+    your program to reset"), and so does every collective after it in the
+    process. Stock TensorFlow and Keras alone do this (two `fit`s of
+    different models under two `MirroredStrategy(["CPU:0", "CPU:1"])`); in
+    CI, test_patches' stock-paths test (19 parameters) and a later stock
+    comparison (2 parameters) met in one pytest-xdist worker. Our
+    replicators take their own key blocks (`replicators/base.py`, instance
+    attributes); stock ones get a fresh block per test here.
     """
     import tensorflow as tf
 

@@ -80,6 +80,26 @@ def test_recreate_with_other_replica_counts_and_sync_bn():
     np.testing.assert_allclose(losses, losses[0], rtol=1e-5)
 
 
+def test_replicators_on_the_same_devices_train_other_models_in_turn():
+    # Two stock MirroredStrategy(["CPU:0", "CPU:1"]) fits of these models in
+    # one process fail: both number their collectives (group 1, instance
+    # 100) alike and TensorFlow remembers the first one's shape ("Shape
+    # mismatch in the collective instance 100"; tests/conftest.py keeps
+    # stock strategies apart per test). Each replicator has its own keys.
+    for units in ([3, 1], [1]):
+        replicator = kr.LocalReplicator(2)
+        with replicator.scope():
+            model = keras.Sequential(
+                [keras.Input((4,))] + [keras.layers.Dense(u) for u in units]
+            )
+            model.compile(keras.optimizers.Adam(0.01, clipnorm=0.5), "mse")
+        x = np.ones((32, 4), "float32")
+        history = model.fit(
+            x, np.ones((32, units[-1]), "float32"), batch_size=8, verbose=0
+        )
+        assert np.isfinite(history.history["loss"]).all()
+
+
 def test_is_a_strategy_with_chief_and_replica_count():
     replicator = kr.LocalReplicator(2)
     assert isinstance(replicator, tf.distribute.Strategy)
