@@ -32,7 +32,11 @@ per process (started by the first such loop) watches for progress:
   "start again": training resumes from its backup. In an interactive
   process (a notebook kernel, `python -i`) it prints the same, then
   interrupts the loop's thread, and the loop raises a `RuntimeError`; the
-  kernel lives on.
+  kernel lives on. An interrupt that lands where Python ignores
+  exceptions (a garbage-collector or weakref callback, a `__del__`) is
+  sent again at once (`_Resend`, a `sys.unraisablehook`), and any
+  interrupt the loop has not acted on is sent again every
+  `_RESEND_SECONDS`, until the loop sees it.
 
 Per step a loop only writes a few attributes and reads the monotonic
 clock. The thread wakes about once a second (20 times per timeout for
@@ -88,6 +92,11 @@ _READ_SECONDS = 3.0
 # A notebook loop still stuck this long after its interrupt is stuck
 # inside TensorFlow, which no Python exception can reach.
 _INTERRUPT_NOTE_SECONDS = 30.0
+# An interrupt the loop has not acted on by then is sent again: code that
+# catches every exception (`except BaseException`) may have eaten it. Long
+# enough for a loop that did get it to unwind first; a loop stuck inside
+# TensorFlow keeps one pending interrupt however often it is sent.
+_RESEND_SECONDS = 5.0
 # What is not timed (a first step, a save, another worker's save) is
 # bounded at this many timeouts: a save can wait forever in a collective
 # for a stuck worker, and the stuck one must not wait for that save.
@@ -186,6 +195,10 @@ class _Frame:
         self.warned = False
         self.fired: float | None = None
         self.fired_after = 0.0
+        # When the interrupt was last sent, and how often it was lost.
+        self.sent = 0.0
+        self.lost = 0
+        self.resend = False
         self.noted = False
 
     def position(self, step: bool = True) -> str:
@@ -277,6 +290,8 @@ class _Watchdog:
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        # Held while an interrupt is sent and while a loop leaves.
+        self.send_lock = threading.RLock()
         self.failed = False
         # The timeout the thread last learnt of.
         self.basis: float | None = None
@@ -302,10 +317,15 @@ class _Watchdog:
         _update_backstop()
 
     def pop(self, frame: _Frame) -> None:
-        try:
-            self.frames.remove(frame)
-        except ValueError:
-            return
+        # Under the send lock: once a loop has left, no interrupt of its
+        # own is sent after it.
+        with self.send_lock:
+            try:
+                self.frames.remove(frame)
+            except ValueError:
+                return
+        if frame.fired is not None:
+            _Resend.remove(frame)
         if self.frames:
             # The enclosing loop's clock starts again (it waited for this
             # one, e.g. fit for its validation).
@@ -356,6 +376,9 @@ class _Watchdog:
             self.dirty = False
             frame.cluster.publish(self._state(frame))
         if frame.fired is not None:
+            if interactive():
+                resend, frame.resend = frame.resend, False
+                self.interrupt(frame, after=0 if resend else _RESEND_SECONDS)
             self._note_stuck(frame)
             return
         if frame.seconds is None:
@@ -430,7 +453,10 @@ class _Watchdog:
                 f"{'' if frame.stepless else ' loop'}, which raises a "
                 "RuntimeError; this process goes on."
             )
-            _interrupt(frame.thread)
+            with self.send_lock:
+                if frame in self.frames:
+                    _Resend.install(frame)
+            self.interrupt(frame)
             return
         _print(
             f"{HEADER} task {frame.task}: exiting with code {EXIT_CODE}, so "
@@ -439,6 +465,21 @@ class _Watchdog:
             "resumes from its BackupAndRestore backup."
         )
         os._exit(EXIT_CODE)
+
+    def interrupt(self, frame: _Frame, after: float = 0.0) -> None:
+        """Interrupts a fired loop that is still running.
+
+        Args:
+            frame: The fired loop.
+            after: Only if its last interrupt is this many seconds old.
+        """
+        with self.send_lock:
+            if frame not in self.frames:
+                return  # It saw the interrupt and left.
+            if time.monotonic() - frame.sent < after:
+                return
+            frame.sent = time.monotonic()
+            _interrupt(frame.thread)
 
     def _note_stuck(self, frame: _Frame) -> None:
         if frame.noted:
@@ -578,6 +619,57 @@ def _interrupt(thread_id: int) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread_id), ctypes.py_object(KeyboardInterrupt)
     )
+
+
+class _Resend:
+    """A `sys.unraisablehook` that sends a swallowed interrupt again.
+
+    Python ignores an exception raised where nobody can catch it (a
+    garbage-collector or weakref callback, a `__del__`): it hands it to
+    `sys.unraisablehook` and goes on. A loop interrupted there would run
+    on, so while a fired loop waits for its interrupt this hook sends a
+    new one; other unraisable exceptions go to the hook it replaced.
+    Installed when the loop is interrupted, removed when the loop leaves.
+    """
+
+    def __init__(self, frame: _Frame, previous: Callable[[Any], Any]):
+        self.frame = frame
+        self.previous = previous
+
+    @classmethod
+    def install(cls, frame: _Frame) -> None:
+        sys.unraisablehook = cls(frame, sys.unraisablehook)
+
+    @staticmethod
+    def remove(frame: _Frame) -> None:
+        hook = sys.unraisablehook
+        if isinstance(hook, _Resend) and hook.frame is frame:
+            sys.unraisablehook = hook.previous
+        # Else another hook wraps this one: it stays, and does nothing
+        # once the loop has left.
+
+    def __call__(self, unraisable: Any) -> None:
+        frame = self.frame
+        kind = unraisable.exc_type
+        if (
+            isinstance(kind, type)
+            and issubclass(kind, KeyboardInterrupt)
+            and frame in _watchdog.frames
+        ):
+            frame.lost += 1
+            if frame.lost == 1:
+                where = unraisable.err_msg or "Exception ignored in"
+                _print(
+                    f"{HEADER} task {frame.task}: the interrupt landed "
+                    f"where Python ignores exceptions ({where}: "
+                    f"{unraisable.object!r}); interrupting again."
+                )
+            # From the watchdog's thread: a signal sent from here would be
+            # raised here, inside the hook, and ignored again.
+            frame.resend = True
+            _watchdog.wake.set()
+            return
+        self.previous(unraisable)
 
 
 def _converted(frame: _Frame, error: BaseException | None) -> None:
