@@ -38,6 +38,7 @@ from keras.src.distribution import distribution_lib
 
 from keras_replicator._src import collectives
 from keras_replicator._src.core import placements
+from keras_replicator._src.distribution import block_draw
 from keras_replicator._src.distribution import layout as layout_lib
 from keras_replicator._src.distribution import processes
 from keras_replicator._src.patches import replica_mean
@@ -92,32 +93,38 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
             "under ModelParallel on TensorFlow; leave it out of the layout "
             f"map. Received: variable path={variable.path!r}"
         )
+    if strategy.num_replicas_in_sync != placement.num_devices:
+        raise ValueError(
+            f"The mesh has {placement.num_devices} devices but the replicator "
+            f"running it {strategy.num_replicas_in_sync} replicas. "
+            f"Received: variable path={variable.path!r}"
+        )
+    replicas = _local_replicas(strategy)
     with tf.init_scope():
-        full = value() if callable(value) else value
-        full = tf.convert_to_tensor(full, dtype=variable.dtype)
-        blocks = [
-            placement.block(full, r) for r in range(placement.num_devices)
-        ]
+        # Only this process's blocks. A random initializer's draw is made
+        # block by block; any other value exists whole for this variable
+        # only, until its blocks are cut.
+        full = value
+        if callable(value):
+            full = block_draw.draw(value, placement.full_shape, variable.dtype)
+        if isinstance(full, (block_draw.Draw, block_draw.Fill)):
+            blocks = full.blocks(placement, replicas)
+        else:
+            full = tf.convert_to_tensor(full, dtype=variable.dtype)
+            blocks = {r: placement.block(full, r) for r in replicas}
+        del full
         with strategy.scope():
+            # Over several processes the chief's first block is broadcast
+            # as the initial value; each component then takes its own.
             stored = tf.Variable(
-                blocks[0],
+                blocks[replicas[0]],
                 trainable=variable.trainable,
                 name=variable.name,
                 aggregation=variable._map_aggregation(variable.aggregation),
             )
-        components = list(stored.values)
-        if strategy.num_replicas_in_sync != len(blocks):
-            raise ValueError(
-                f"The mesh has {len(blocks)} devices but the replicator "
-                f"running it {strategy.num_replicas_in_sync} replicas. "
-                f"Received: variable path={variable.path!r}"
-            )
-        for component, r in zip(
-            components, _local_replicas(strategy), strict=True
-        ):
+        for component, r in zip(stored.values, replicas, strict=True):
             if r:
-                component.assign(blocks[r])
-        del full
+                component.assign(blocks.pop(r))
     return stored
 
 
@@ -158,6 +165,8 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
         )
 
         def grad(upstream):
+            if not isinstance(upstream, tf.IndexedSlices):
+                return _reduced_block(upstream, placement, replica, ctx)
             (reduced,) = replica_mean.mean_gradients([upstream], ctx)
             if isinstance(reduced, tf.IndexedSlices):
                 return _sparse_block(reduced, placement, replica)
@@ -166,6 +175,31 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
         return full, grad
 
     return gather(local)
+
+
+def _reduced_block(upstream, placement, replica, ctx):
+    """This replica's block of the averaged gradient `upstream`.
+
+    A reduce-scatter, emulated: TensorFlow's CPU collectives have none,
+    and one all-reduce of the full gradient would hold the full average
+    and the ring's buffers beside the full gradient. Instead each distinct
+    block is averaged on its own, one after the other, and every replica
+    keeps its own: the same bytes on the wire, block-sized transients.
+    Every replica issues the same all-reduces in the same order.
+    """
+    starts = {}
+    for r in range(placement.num_devices):
+        starts.setdefault(placement.begin(r), r)
+    mine = None
+    previous: list = []
+    for begin, r in starts.items():
+        with tf.control_dependencies(previous):
+            piece = placement.block(upstream, r)
+        (reduced,) = replica_mean.mean_gradients([piece], ctx)
+        previous = [reduced]
+        if begin == placement.begin(replica):
+            mine = reduced
+    return mine
 
 
 def _sparse_block(slices, placement, replica):

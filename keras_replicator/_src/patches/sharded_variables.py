@@ -43,6 +43,7 @@ from keras.src.optimizers import base_optimizer
 
 from keras_replicator._src import collectives
 from keras_replicator._src.core import placements
+from keras_replicator._src.distribution import block_draw
 from keras_replicator._src.distribution import sharded
 from keras_replicator._src.patches import registry
 
@@ -74,6 +75,13 @@ def _initialize(original, self, value):
     if self._layout is None:
         self._layout = layout
     return None
+
+
+def _initialize_with_initializer(original, self, initializer):
+    # The initializer itself, so that a sharded variable can draw its
+    # blocks without the full value (`distribution/block_draw.py`).
+    with block_draw.initializer_of(initializer):
+        return original(self, initializer)
 
 
 def _value(original, self):
@@ -251,6 +259,11 @@ PATCH = registry.register(
         name="sharded_variables",
         targets=(
             registry.Target(_Variable, "_initialize", _initialize),
+            registry.Target(
+                _Variable,
+                "_initialize_with_initializer",
+                _initialize_with_initializer,
+            ),
             registry.Target(_Variable, "value", _value),
             registry.Target(_Variable, "handle", _handle),
             registry.Target(_Variable, "_direct_assign", _direct_assign),

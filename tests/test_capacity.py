@@ -1,0 +1,116 @@
+"""Per-device memory under ModelParallel: what a device holds, and the numbers.
+
+Sharded variables are created block by block (`distribution/block_draw.py`):
+a Keras random initializer's draw is made in chunks of rows, each cut to
+the blocks at once, so the full value never exists; a constant fill makes
+block-shaped tensors. These tests show the blocks hold one device's numbers
+bit for bit, for every initializer and layout shape, and that the full
+value was not drawn. The per-process memory itself is measured by
+`benchmarks/capacity.py` (one device per process), not asserted here.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_replicator as kr
+from keras_replicator._src.distribution import block_draw
+from keras_replicator._src.distribution import sharded
+
+_INITIALIZERS = [
+    keras.initializers.RandomUniform(-0.3, 0.7, seed=3),
+    keras.initializers.RandomNormal(0.1, 0.5, seed=4),
+    keras.initializers.TruncatedNormal(0.0, 2.0, seed=5),
+    keras.initializers.VarianceScaling(2.0, "fan_avg", "uniform", seed=6),
+    keras.initializers.VarianceScaling(1.0, "fan_in", "truncated_normal"),
+    keras.initializers.VarianceScaling(
+        1.0, "fan_out", "untruncated_normal", seed=7
+    ),
+    "glorot_uniform",
+    "he_normal",
+    "lecun_uniform",
+    "zeros",
+    "ones",
+    keras.initializers.Constant(0.25),
+]
+
+
+@pytest.fixture(autouse=True)
+def no_distribution():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _model_parallel(shape, axes):
+    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = axes
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+def _kernel(initializer, shape):
+    # Seeded twice the same way: an unseeded initializer draws from Keras'
+    # global seed generator, which advances as on one device.
+    keras.utils.set_random_seed(11)
+    layer = keras.layers.Layer(name="d")
+    return layer.add_weight(
+        shape=shape,
+        initializer=keras.initializers.get(initializer),
+        name="kernel",
+    )
+
+
+@pytest.mark.parametrize(
+    "mesh, axes, shape",
+    [
+        ((1, 4), (None, "model"), (12, 8)),
+        ((1, 4), ("model", None), (8, 12)),
+        # Rows of 10 elements: chunks start at even rows.
+        ((1, 2), (None, "model"), (7, 10)),
+        ((2, 2), ("batch", "model"), (6, 10)),
+        ((1, 2), (None, "model", None), (5, 4, 3)),
+    ],
+)
+def test_blocks_are_drawn_with_one_devices_numbers(
+    mesh, axes, shape, monkeypatch
+):
+    # Chunks of 8 elements: every block takes several.
+    monkeypatch.setattr(block_draw, "CHUNK_ELEMENTS", 8)
+    drawn = []
+    for kind in (block_draw.Draw, block_draw.Fill):
+        blocks = kind.blocks
+
+        def spy(self, placement, replicas, blocks=blocks):
+            drawn.append(type(self).__name__)
+            return blocks(self, placement, replicas)
+
+        monkeypatch.setattr(kind, "blocks", spy)
+    for initializer in _INITIALIZERS:
+        expected = _kernel(initializer, shape).numpy()
+        keras.distribution.set_distribution(_model_parallel(mesh, axes))
+        kernel = _kernel(initializer, shape)
+        keras.distribution.set_distribution(None)
+        local = next(iter(kr.shard_shapes(kernel).values()))
+        assert local != shape, (initializer, local)
+        np.testing.assert_array_equal(kernel.numpy(), expected, initializer)
+        for r in range(int(np.prod(mesh))):
+            block = sharded.block_numpy(kernel, r)
+            assert block.shape == local
+    # Every initializer above skipped the full value.
+    assert len(drawn) == len(_INITIALIZERS)
+
+
+def test_other_initializers_cut_the_full_value_with_one_devices_numbers():
+    for initializer in ("orthogonal", "identity"):
+        expected = _kernel(initializer, (8, 8)).numpy()
+        keras.distribution.set_distribution(
+            _model_parallel((1, 4), (None, "model"))
+        )
+        kernel = _kernel(initializer, (8, 8))
+        keras.distribution.set_distribution(None)
+        assert kr.shard_shapes(kernel)["cpu:0"] == (8, 2)
+        np.testing.assert_array_equal(kernel.numpy(), expected)
