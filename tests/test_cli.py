@@ -9,6 +9,7 @@ import time
 import pytest
 
 from keras_replicator._src.cluster import cli
+from keras_replicator._src.cluster import tf_logs
 from tests.multi_worker import harness
 
 # What TensorFlow's C++ start-up logs contain on a CPU machine.
@@ -45,7 +46,7 @@ def _run(*args, timeout=300, env=None):
 def _user_env():
     """A user's environment: no TF_CPP_MIN_LOG_LEVEL, this checkout first."""
     env = dict(os.environ, PYTHONPATH=str(harness.REPO_ROOT))
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    env.pop(tf_logs.LEVEL_ENV, None)
     return env
 
 
@@ -109,6 +110,35 @@ def test_help_imports_no_tensorflow(how, command):
         if name.split(".")[0] in ("tensorflow", "keras")
     )
     assert not heavy, heavy[:10]
+
+
+def test_env_hides_tensorflow_logs_unless_verbose():
+    quiet = subprocess.run(
+        [*harness.command_line(), "env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_user_env(),
+    )
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "auto() picks: " in quiet.stdout
+    assert not _tf_log_lines(quiet.stdout + quiet.stderr), quiet.stderr
+    verbose = subprocess.run(
+        [*harness.command_line(), "env", "--verbose"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_user_env(),
+    )
+    assert verbose.returncode == 0, verbose.stderr[-2000:]
+    assert verbose.stdout == quiet.stdout
+    # TensorFlow 2.21 on a CPU writes its start-up lines (the quiet run is
+    # not quiet by chance); a TensorFlow that stops writing them fails here.
+    startup = tf_logs.StartupLogFilter()
+    hidden = [
+        line for line in verbose.stderr.splitlines() if not startup.keep(line)
+    ]
+    assert hidden, verbose.stderr
 
 
 def test_env_says_what_auto_picks_and_why():
