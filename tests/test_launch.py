@@ -1,7 +1,8 @@
 """`keras-replicator launch`: output prefixes, failures, Ctrl-C, arguments.
 
-These use tiny Python programs (no TensorFlow), so they are fast; the
-training run through the launcher is in tests/multi_worker/test_launch_fit.py.
+These use tiny Python programs (no TensorFlow), so they are fast; training
+runs through the launcher are in tests/multi_worker/ (test_faults.py, and
+test_launch_fresh_shell.py for `python` outside the virtual environment).
 """
 
 import io
