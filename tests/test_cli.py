@@ -112,6 +112,39 @@ def test_help_imports_no_tensorflow(how, command):
     assert not heavy, heavy[:10]
 
 
+def test_the_commands_process_loads_the_package_on_first_use():
+    # The command's process as the console script starts it (argv[0] is
+    # its path while it imports the CLI): the package waits for a name.
+    program = (
+        "import sys\n"
+        "sys.argv[0] = '/some/venv/bin/keras-replicator'\n"
+        "import keras_replicator as kr\n"
+        "from keras_replicator._src.cluster import cli\n"
+        "assert 'tensorflow' not in sys.modules\n"
+        "from keras_replicator import LocalReplicator\n"
+        "assert 'tensorflow' in sys.modules\n"
+        "assert kr.LocalReplicator is LocalReplicator\n"
+        "missing = [n for n in kr.__all__ if not hasattr(kr, n)]\n"
+        "print('missing', missing)\n"
+        "try:\n"
+        "    kr.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(_user_env(), TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "missing []",
+        "module 'keras_replicator' has no attribute 'no_such_name'",
+    ]
+
+
 def test_env_hides_tensorflow_logs_unless_verbose():
     quiet = subprocess.run(
         [*harness.command_line(), "env"],

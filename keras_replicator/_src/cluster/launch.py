@@ -229,10 +229,10 @@ def prepare_command(
     script = python_script(command)
     if script is not None and not os.path.exists(script):
         raise ValueError(
-            f"`launch` runs the script {script!r}, which does not exist in "
-            f"{os.getcwd()}; no worker was started. Give the script's path "
-            "(absolute, or relative to the current folder). Received: "
-            f"script={script!r}"
+            f"`launch` runs the script {script!r}, but "
+            f"{os.path.abspath(script)} does not exist; no worker was "
+            "started. Give the script's path, absolute or relative to the "
+            f"current folder. Received: script={script!r}"
         )
     return command, note
 
