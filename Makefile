@@ -5,8 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Quiet TensorFlow's C++ start-up logging for the demo and the tests.
-export TF_CPP_MIN_LOG_LEVEL ?= 2
+# Quiet TensorFlow's C++ logging in the tests (the keras-replicator commands,
+# `make demo`'s included, quiet their own unless TF_CPP_MIN_LOG_LEVEL is set).
+test: export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test lint docs install clean
 

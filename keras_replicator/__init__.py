@@ -8,41 +8,56 @@ Make ordinary Keras code run replicated with one change:
     model.fit(...)
 """
 
-from keras_replicator import callbacks
-from keras_replicator import data
-from keras_replicator import layers
-from keras_replicator._src.cluster.config import ClusterConfig
-from keras_replicator._src.cluster.notebook_launch import launch
-from keras_replicator._src.core import devices as _devices
-from keras_replicator._src.core.devices import configure_cpu_replicas
-from keras_replicator._src.distribution import api as _distribution_api
-from keras_replicator._src.distribution.api import shard_shapes
-from keras_replicator._src.primitives import all_gather
-from keras_replicator._src.primitives import all_max
-from keras_replicator._src.primitives import all_mean
-from keras_replicator._src.primitives import all_min
-from keras_replicator._src.primitives import all_reduce
-from keras_replicator._src.primitives import all_sum
-from keras_replicator._src.primitives import broadcast
-from keras_replicator._src.primitives import num_replicas
-from keras_replicator._src.primitives import replica_id
-from keras_replicator._src.replicators.async_errors import ParameterServerError
-from keras_replicator._src.replicators.async_ps import AsyncReplicator
-from keras_replicator._src.replicators.auto import auto
-from keras_replicator._src.replicators.local import LocalReplicator
-from keras_replicator._src.replicators.multi_worker import MultiWorkerReplicator
-from keras_replicator._src.replicators.tpu import TpuReplicator
-from keras_replicator._src.training.optimizer import ReplicatedOptimizer
+from keras_replicator._src.cluster import lazy_package as _lazy_package
 
 __version__ = "0.1.0.dev0"
 
-# Imported before TensorFlow's first op, split the CPU into logical devices
-# now, so CPU replicas can be created later, after other TensorFlow code
-# (`KERAS_REPLICATOR_SPLIT_CPU=0` turns it off; see
-# `_devices.split_cpu_at_import`).
-_devices.split_cpu_at_import()
-# `keras.distribution` (DataParallel, ModelParallel) runs on replicators.
-_distribution_api.enable()
+if _lazy_package.defer():
+    # Only in the `keras-replicator` command's process: its entry point
+    # imports this package first, and `--help`, `launch` and `tf-config`
+    # need no TensorFlow. The names below load on first use, or when a
+    # command that needs TensorFlow calls `_lazy_package.load()`.
+    def __getattr__(name: str):
+        return _lazy_package.attribute(name)
+
+else:
+    from keras_replicator import callbacks
+    from keras_replicator import data
+    from keras_replicator import layers
+    from keras_replicator._src.cluster.config import ClusterConfig
+    from keras_replicator._src.cluster.notebook_launch import launch
+    from keras_replicator._src.core import devices as _devices
+    from keras_replicator._src.core.devices import configure_cpu_replicas
+    from keras_replicator._src.distribution import api as _distribution_api
+    from keras_replicator._src.distribution.api import shard_shapes
+    from keras_replicator._src.primitives import all_gather
+    from keras_replicator._src.primitives import all_max
+    from keras_replicator._src.primitives import all_mean
+    from keras_replicator._src.primitives import all_min
+    from keras_replicator._src.primitives import all_reduce
+    from keras_replicator._src.primitives import all_sum
+    from keras_replicator._src.primitives import broadcast
+    from keras_replicator._src.primitives import num_replicas
+    from keras_replicator._src.primitives import replica_id
+    from keras_replicator._src.replicators.async_errors import (
+        ParameterServerError,
+    )
+    from keras_replicator._src.replicators.async_ps import AsyncReplicator
+    from keras_replicator._src.replicators.auto import auto
+    from keras_replicator._src.replicators.local import LocalReplicator
+    from keras_replicator._src.replicators.multi_worker import (
+        MultiWorkerReplicator,
+    )
+    from keras_replicator._src.replicators.tpu import TpuReplicator
+    from keras_replicator._src.training.optimizer import ReplicatedOptimizer
+
+    # Imported before TensorFlow's first op, split the CPU into logical
+    # devices now, so CPU replicas can be created later, after other
+    # TensorFlow code (`KERAS_REPLICATOR_SPLIT_CPU=0` turns it off; see
+    # `_devices.split_cpu_at_import`).
+    _devices.split_cpu_at_import()
+    # `keras.distribution` (DataParallel, ModelParallel) runs on replicators.
+    _distribution_api.enable()
 
 __all__ = (
     "AsyncReplicator",

@@ -1,13 +1,35 @@
-"""The `keras-replicator` command: env and demo, as a user runs them."""
+"""The `keras-replicator` command: help, env and demo, as a user runs them."""
 
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 from keras_replicator._src.cluster import cli
+from keras_replicator._src.cluster import tf_logs
+from tests.multi_worker import harness
+
+# What TensorFlow's C++ start-up logs contain on a CPU machine.
+TF_LOG_MARKERS = (
+    "cuInit",
+    "oneDNN",
+    "cpu_feature_guard",
+    "cudart_stub",
+    "absl",
+    "I0000",
+    "E0000",
+    "W0000",
+)
+HELP = (
+    (),
+    ("demo",),
+    ("env",),
+    ("launch",),
+    ("tf-config",),
+)
 
 
 def _run(*args, timeout=300, env=None):
@@ -19,6 +41,137 @@ def _run(*args, timeout=300, env=None):
         timeout=timeout,
         env=full_env,
     )
+
+
+def _user_env():
+    """A user's environment: no TF_CPP_MIN_LOG_LEVEL, this checkout first."""
+    env = dict(os.environ, PYTHONPATH=str(harness.REPO_ROOT))
+    env.pop(tf_logs.LEVEL_ENV, None)
+    return env
+
+
+def _tf_log_lines(text):
+    return [
+        line
+        for line in text.splitlines()
+        if any(marker in line for marker in TF_LOG_MARKERS)
+    ]
+
+
+@pytest.mark.parametrize("command", HELP, ids=lambda c: " ".join(c) or "-")
+def test_help_is_quick_and_prints_only_help(command):
+    start = time.monotonic()
+    result = subprocess.run(
+        [*harness.command_line(), *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_user_env(),
+    )
+    seconds = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: keras-replicator"), result.stdout
+    assert result.stderr == ""
+    assert not _tf_log_lines(result.stdout)
+    # A sanity bound for a loaded 2-core machine: importing TensorFlow
+    # alone takes 4-8 s there, the help without it about 0.2 s.
+    assert seconds < 3, f"{seconds:.1f} s"
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+@pytest.mark.parametrize("command", HELP, ids=lambda c: " ".join(c) or "-")
+def test_help_imports_no_tensorflow(how, command):
+    # `-X importtime` lists every module the process imports, on stderr.
+    if how == "script":
+        entry = harness.command_line()
+        if len(entry) > 1:
+            pytest.skip("keras-replicator is not installed next to python")
+        argv = [sys.executable, "-X", "importtime", entry[0]]
+    else:
+        argv = [sys.executable, "-X", "importtime", "-m", cli.__name__]
+    result = subprocess.run(
+        [*argv, *command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_user_env(),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {
+        line.rpartition("|")[2].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    # The package's __init__ ran: it is what imported TensorFlow before.
+    assert "keras_replicator" in imported
+    heavy = sorted(
+        name
+        for name in imported
+        if name.split(".")[0] in ("tensorflow", "keras")
+    )
+    assert not heavy, heavy[:10]
+
+
+def test_the_commands_process_loads_the_package_on_first_use():
+    # The command's process as the console script starts it (argv[0] is
+    # its path while it imports the CLI): the package waits for a name.
+    program = (
+        "import sys\n"
+        "sys.argv[0] = '/some/venv/bin/keras-replicator'\n"
+        "import keras_replicator as kr\n"
+        "from keras_replicator._src.cluster import cli\n"
+        "assert 'tensorflow' not in sys.modules\n"
+        "from keras_replicator import LocalReplicator\n"
+        "assert 'tensorflow' in sys.modules\n"
+        "assert kr.LocalReplicator is LocalReplicator\n"
+        "missing = [n for n in kr.__all__ if not hasattr(kr, n)]\n"
+        "print('missing', missing)\n"
+        "try:\n"
+        "    kr.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(_user_env(), TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "missing []",
+        "module 'keras_replicator' has no attribute 'no_such_name'",
+    ]
+
+
+def test_env_hides_tensorflow_logs_unless_verbose():
+    quiet = subprocess.run(
+        [*harness.command_line(), "env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_user_env(),
+    )
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "auto() picks: " in quiet.stdout
+    assert not _tf_log_lines(quiet.stdout + quiet.stderr), quiet.stderr
+    verbose = subprocess.run(
+        [*harness.command_line(), "env", "--verbose"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_user_env(),
+    )
+    assert verbose.returncode == 0, verbose.stderr[-2000:]
+    assert verbose.stdout == quiet.stdout
+    # TensorFlow 2.21 on a CPU writes its start-up lines (the quiet run is
+    # not quiet by chance); a TensorFlow that stops writing them fails here.
+    startup = tf_logs.StartupLogFilter()
+    hidden = [
+        line for line in verbose.stderr.splitlines() if not startup.keep(line)
+    ]
+    assert hidden, verbose.stderr
 
 
 def test_env_says_what_auto_picks_and_why():

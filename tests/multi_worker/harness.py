@@ -295,6 +295,18 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def command_line() -> list[str]:
+    """The `keras-replicator` command as an argv: the installed script.
+
+    The console script next to this Python, as a user runs it; without one
+    (the package not installed), `python -m` on the module it runs.
+    """
+    script_path = Path(sys.executable).parent / "keras-replicator"
+    if script_path.exists():
+        return [str(script_path)]
+    return [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
+
+
 def launch_command(
     script: str | os.PathLike,
     args: Sequence[str] = (),
@@ -303,13 +315,8 @@ def launch_command(
     max_restarts: int = 0,
 ) -> list[str]:
     """`keras-replicator launch ... -- python script args`, as an argv."""
-    script_path = Path(sys.executable).parent / "keras-replicator"
-    if script_path.exists():
-        command = [str(script_path)]
-    else:
-        command = [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
     return [
-        *command,
+        *command_line(),
         "launch",
         "--workers",
         str(num_workers),

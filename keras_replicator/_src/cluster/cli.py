@@ -1,4 +1,11 @@
-"""The `keras-replicator` command."""
+"""The `keras-replicator` command.
+
+`--help`, `launch` and `tf-config` never import TensorFlow (see
+`lazy_package`); `env` and `demo` load the package, TensorFlow with it,
+hiding TensorFlow's C++ start-up logs unless `--verbose` is given or
+`TF_CPP_MIN_LOG_LEVEL` is set (see `tf_logs`). Keep this module's imports
+TensorFlow-free: commands import what they need.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +27,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _load_package(args: argparse.Namespace) -> None:
+    """Imports keras_replicator, and TensorFlow, quietly unless --verbose."""
+    from keras_replicator._src.cluster import lazy_package
+    from keras_replicator._src.cluster import tf_logs
+
+    # Once TensorFlow is in (the package was imported in full before the
+    # command ran, as in tests), its logging is set up already.
+    if "tensorflow" in sys.modules or not tf_logs.quiet_wanted(args.verbose):
+        lazy_package.load()
+        return
+    os.environ[tf_logs.LEVEL_ENV] = tf_logs.QUIET_LEVEL
+    with tf_logs.hidden_startup_logs():
+        lazy_package.load()
+
+
 def _demo(args: argparse.Namespace) -> int:
+    _load_package(args)
     from keras_replicator._src import demo
     from keras_replicator._src.core import devices
 
@@ -33,6 +56,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
+    _load_package(args)
     import keras
     import tensorflow as tf
 
@@ -54,11 +78,22 @@ def _env(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from keras_replicator._src.cluster import launch
     from keras_replicator._src.cluster import layout
+    from keras_replicator._src.cluster import tf_logs
 
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
-    hint = command and layout.launch_hint(
+    swap_python = not args.no_python_swap
+    try:
+        # Before anything is printed or started: a missing script fails
+        # here.
+        command, note = launch.prepare_command(command, swap_python)
+    except ValueError as e:
+        print(f"keras-replicator launch: error: {e}", file=sys.stderr)
+        return 2
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    hint = layout.launch_hint(
         command, args.workers, args.replicas_per_worker, args.ps
     )
     if hint:
@@ -70,6 +105,8 @@ def _launch(args: argparse.Namespace) -> int:
             replicas_per_worker=args.replicas_per_worker,
             ps=args.ps,
             max_restarts=args.max_restarts,
+            swap_python=swap_python,
+            quiet=tf_logs.quiet_wanted(args.verbose),
         )
     except ValueError as e:
         print(f"keras-replicator launch: error: {e}", file=sys.stderr)
@@ -87,6 +124,15 @@ def _tf_config(args: argparse.Namespace) -> int:
         return 2
     print(config.to_json())
     return 0
+
+
+def _add_verbose(parser: argparse.ArgumentParser, whose: str) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"show TensorFlow's C++ start-up logs ({whose}); they are hidden "
+        "unless TF_CPP_MIN_LOG_LEVEL is set",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.95,
         help="exit non-zero if test accuracy is below this (default 0.95)",
     )
+    _add_verbose(demo, "of this process")
     demo.set_defaults(func=_demo)
 
     env = sub.add_parser("env", help="show what auto() picks here, and why")
+    _add_verbose(env, "of this process")
     env.set_defaults(func=_env)
 
     launch = sub.add_parser(
@@ -121,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the worker's name, ends all when one fails (exiting with its "
         "code, or restarting all with --max-restarts) or on Ctrl-C, and "
         "forwards SIGTERM/SIGUSR1 so the workers save and exit 75. "
-        "Workers die with the launcher, however it dies. "
+        "Workers die with the launcher, however it dies. A command "
+        "starting with python (python3, pythonX.Y) runs on the Python that "
+        "runs keras-replicator, and its script must exist. "
         "Example: keras-replicator launch --workers 2 -- python train.py",
     )
     launch.add_argument("--workers", type=_positive_int, required=True)
@@ -146,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
         "times, the hang watchdog's exit code 76 included; scripts resume "
         "from their BackupAndRestore backup (default 0)",
     )
+    launch.add_argument(
+        "--no-python-swap",
+        action="store_true",
+        help="run the command as given; by default a python, python3 or "
+        "pythonX.Y that is not the Python running keras-replicator (as "
+        "outside its virtual environment) is replaced by that Python; "
+        "a line on stderr says so",
+    )
+    _add_verbose(launch, "of every worker")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_launch)
 

@@ -14,12 +14,21 @@ process stuck holding the GIL) fails the group like any other failure,
 so `max_restarts` restarts it; the others first get a few seconds to print
 their own stacks. Workers die with the launcher, however it dies
 (`reaper.py`).
+
+A command that starts with `python` (`python3`, `python3.11`) runs on the
+launcher's own interpreter, `sys.executable`, when `python` on `PATH` is
+another one: from a shell where the virtual environment is not active,
+`python` is the system's, which has neither Keras nor keras_replicator
+(`prepare_command`). The script it names must exist before any worker
+starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +41,7 @@ from typing import TextIO
 
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import reaper as reaper_lib
+from keras_replicator._src.cluster import tf_logs
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
 from keras_replicator._src.training import hang_watchdog
@@ -57,6 +67,18 @@ PREEMPT_GRACE_SECONDS = 30.0
 # Seconds the other workers get, after one was ended by the hang watchdog,
 # to reach their own timeout and print their stacks, before they are ended.
 HANG_GRACE_SECONDS = 10.0
+# Program names that mean "a Python interpreter": python, python3, python3.11.
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?t?)?(\.exe)?")
+# Python's options that take a value (the next argument, or the rest of this
+# one), and those after which no script follows (`-c code`, `-m module`,
+# `-` for stdin).
+_PYTHON_VALUE_OPTIONS = "WX"
+_PYTHON_NO_SCRIPT_OPTIONS = "cm"
+_PYTHON_LONG_VALUE_OPTIONS = ("--check-hash-based-pycs",)
+_EMPTY_COMMAND = (
+    "`launch` needs a command to run, e.g. `keras-replicator launch "
+    "--workers 2 -- python train.py`. Received: command=[]"
+)
 
 
 def free_ports(count: int) -> list[int]:
@@ -109,6 +131,112 @@ def worker_environ(
     return env
 
 
+def _is_python(program: str) -> bool:
+    return _PYTHON_NAME.fullmatch(os.path.basename(program)) is not None
+
+
+def _same_interpreter(path: str, executable: str) -> bool:
+    """Whether `path` starts the same Python, in the same environment."""
+    try:
+        same_file = os.path.samefile(path, executable)
+    except OSError:
+        return False
+    # A virtual environment's `python` is a link to the base interpreter:
+    # the same file, but only the link in the environment's folder runs
+    # with the environment's packages.
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    own = os.path.realpath(os.path.dirname(os.path.abspath(executable)))
+    return same_file and folder == own
+
+
+def python_script(command: Sequence[str]) -> str | None:
+    """The script a `python ...` command runs, or None.
+
+    Args:
+        command: The program and its arguments.
+
+    Returns:
+        The first argument after the interpreter's options, for a command
+        whose program is a Python interpreter (`python`, `python3.11`, a
+        path to one); None for other programs and for `python -m module`,
+        `python -c code` and `python -` (no script file).
+    """
+    if not command or not _is_python(command[0]):
+        return None
+    args = list(command[1:])
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "-" or not arg.startswith("-"):
+            return None if arg == "-" else arg
+        if arg.startswith("--"):
+            takes_next = arg in _PYTHON_LONG_VALUE_OPTIONS  # not `--x=v`
+            i += 2 if takes_next else 1
+            continue
+        # Short options combine (`-uc code`): the first that takes a value
+        # ends this argument, and takes the next one if nothing follows it.
+        for j, letter in enumerate(arg[1:], start=1):
+            if letter in _PYTHON_NO_SCRIPT_OPTIONS:
+                return None
+            if letter in _PYTHON_VALUE_OPTIONS:
+                i += 1 if j + 1 < len(arg) else 2
+                break
+        else:
+            i += 1
+    return None
+
+
+def prepare_command(
+    command: Sequence[str], swap_python: bool = True
+) -> tuple[list[str], str | None]:
+    """Checks a worker command; runs `python` on the launcher's interpreter.
+
+    Nothing is started: the launcher calls it before its first worker.
+
+    Args:
+        command: The program and its arguments, e.g. `["python",
+            "train.py"]`.
+        swap_python: Whether a program named `python`, `python3` or
+            `pythonX.Y` (a name, not a path) that does not start the
+            interpreter running the launcher (`sys.executable`, with its
+            environment) is replaced by `sys.executable`. From a shell where
+            the virtual environment is not active, `python` is the
+            system's, without Keras. Defaults to True.
+
+    Returns:
+        The command to run, and a `[launch]` line saying that `python` was
+        replaced (None if it was not).
+
+    Raises:
+        ValueError: If `command` is empty, or the script a `python ...`
+            command names does not exist (see `python_script`).
+    """
+    if not command:
+        raise ValueError(_EMPTY_COMMAND)
+    command = list(command)
+    note = None
+    program = command[0]
+    if swap_python and _is_python(program) and os.sep not in program:
+        found = shutil.which(program)
+        if found is None or not _same_interpreter(found, sys.executable):
+            where = f"is {found}" if found else "is not on PATH"
+            note = (
+                f"[launch] `{program}` {where}, not the Python running "
+                f"keras-replicator: the workers run {sys.executable} "
+                "(--no-python-swap keeps the command as given)"
+            )
+            command[0] = sys.executable
+    script = python_script(command)
+    if script is not None and not os.path.exists(script):
+        raise ValueError(
+            f"`launch` runs the script {script!r}, but "
+            f"{os.path.abspath(script)} does not exist; no worker was "
+            "started. Give the script's path, absolute or relative to the "
+            f"current folder. Received: script={script!r}"
+        )
+    return command, note
+
+
 def launch(
     command: Sequence[str],
     workers: int,
@@ -116,6 +244,8 @@ def launch(
     ps: int = 0,
     out: TextIO | None = None,
     max_restarts: int = 0,
+    swap_python: bool = True,
+    quiet: bool = False,
 ) -> int:
     """Runs `command` as `workers` local processes of one cluster.
 
@@ -134,6 +264,13 @@ def launch(
             line says so each time), the hang watchdog's exit (76)
             included. Scripts resume from their `BackupAndRestore` backup.
             A preempted group is not restarted. Defaults to 0.
+        swap_python: Whether a `python` program that is not the launcher's
+            interpreter runs on `sys.executable` instead (a line on stderr
+            says so); see `prepare_command`. Defaults to True.
+        quiet: Whether TensorFlow's C++ start-up logs are hidden: every
+            task gets `TF_CPP_MIN_LOG_LEVEL=3` (unless the environment sets
+            it), and the lines TensorFlow writes before that applies are
+            dropped from the output (see `tf_logs`). Defaults to False.
 
     A preemption signal to the launcher (SIGTERM, and those named by
     `KERAS_REPLICATOR_PREEMPTION_SIGNALS`, default `SIGTERM,SIGUSR1`) is
@@ -156,18 +293,18 @@ def launch(
         N) once no restart is left; 130 after Ctrl-C.
 
     Raises:
-        ValueError: If `command` is empty, or `workers`, `ps` or
-            `max_restarts` is out of range, or
+        ValueError: If `command` is empty or names a script that does not
+            exist, or `workers`, `ps` or `max_restarts` is out of range, or
             `KERAS_REPLICATOR_PREEMPTION_SIGNALS` names no signal.
     """
     if not command:
-        raise ValueError(
-            "`launch` needs a command to run, e.g. `keras-replicator launch "
-            "--workers 2 -- python train.py`. Received: command=[]"
-        )
+        raise ValueError(_EMPTY_COMMAND)
     validation.check_positive_int("workers", workers)
     validation.check_non_negative_int("ps", ps)
     validation.check_non_negative_int("max_restarts", max_restarts)
+    command, note = prepare_command(command, swap_python)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     out = out or sys.stdout
     lock = threading.Lock()
     received: list[int] = []
@@ -178,7 +315,14 @@ def launch(
         clashes = restarts = 0
         while True:
             code, clash, preempted = _launch_once(
-                command, workers, replicas_per_worker, ps, out, received, reaper
+                command,
+                workers,
+                replicas_per_worker,
+                ps,
+                out,
+                received,
+                reaper,
+                quiet,
             )
             if code in (0, 130) or preempted or received:
                 return code
@@ -236,7 +380,7 @@ def _forwarding(signals, received: list[int]):
 
 
 def _launch_once(
-    command, workers, replicas_per_worker, ps, out, received, reaper
+    command, workers, replicas_per_worker, ps, out, received, reaper, quiet
 ):
     """One launch: its exit code, whether a port clashed, and was preempted."""
     ports = free_ports(workers)
@@ -261,6 +405,8 @@ def _launch_once(
     preempted = False
     try:
         for name, argv, env in tasks:
+            if quiet:
+                env.setdefault(tf_logs.LEVEL_ENV, tf_logs.QUIET_LEVEL)
             proc = subprocess.Popen(
                 list(argv),
                 env=env,
@@ -275,7 +421,14 @@ def _launch_once(
             reaper.watch(proc.pid)
             pump = threading.Thread(
                 target=_pump,
-                args=(proc.stdout, f"[{name}] ", out, lock, clash),
+                args=(
+                    proc.stdout,
+                    f"[{name}] ",
+                    out,
+                    lock,
+                    clash,
+                    tf_logs.StartupLogFilter() if quiet else None,
+                ),
                 daemon=True,
             )
             pump.start()
@@ -326,12 +479,20 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _pump(stream, prefix, out, lock, clash: threading.Event) -> None:
+def _pump(
+    stream,
+    prefix,
+    out,
+    lock,
+    clash: threading.Event,
+    startup: tf_logs.StartupLogFilter | None,
+) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
         if any(marker in line for marker in PORT_CLASH):
             clash.set()
-        _print(out, lock, prefix + line)
+        if startup is None or startup.keep(line):
+            _print(out, lock, prefix + line)
     stream.close()
 
 
