@@ -1,10 +1,14 @@
 # Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
-# Each creates .venv and installs the project into it when needed.
+# Each creates .venv and installs the project into it when needed: `make demo`
+# only what the demo needs (the demo extra), `make test` the dev tools too.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# What is installed: the dev extra (tests, lint, docs; it includes the demo's
+# needs), or only the demo's. A dev install marks the demo's stamp too.
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 # Quiet TensorFlow's C++ logging in the tests (the keras-replicator commands,
 # `make demo`'s included, quiet their own unless TF_CPP_MIN_LOG_LEVEL is set).
 test: export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -15,11 +19,18 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev,datasets]"
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo alone: TensorFlow, Keras and scikit-learn, not the dev tools.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[demo]"
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/keras-replicator demo --replicas 2
 
 lint: $(STAMP)

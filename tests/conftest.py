@@ -1,7 +1,9 @@
-"""Shared test set-up: logical CPU devices, configured once, before TF starts.
+"""Shared test set-up: logical devices, configured once, before TF starts.
 
-Every test that needs several CPU replicas gets them from here. Multi-worker
-tests start real subprocesses, which configure their own devices.
+Every test that needs several CPU replicas gets them from here, and on a
+host with a GPU, tests/test_gpu.py gets its logical GPUs from here too.
+Multi-worker tests start real subprocesses, which configure their own
+devices.
 """
 
 import os
@@ -14,6 +16,10 @@ import pytest  # noqa: E402
 
 # The most replicas any in-process test uses.
 MAX_TEST_REPLICAS = 4
+# On a GPU host, each test process's logical GPUs: a memory limit each, so
+# two pytest-xdist processes share a GPU, and tests/test_gpu.py can size a
+# model that one GPU's share cannot hold.
+GPU_MEMORY_LIMIT_MB = 1024
 
 
 def pytest_configure(config):
@@ -26,6 +32,31 @@ def pytest_configure(config):
 
     # Must run before any test module touches TensorFlow's devices.
     kr.configure_cpu_replicas(MAX_TEST_REPLICAS)
+    _configure_gpus()
+
+
+def _configure_gpus():
+    """Splits one GPU into two logical GPUs; several stay one each.
+
+    Like the CPU split, before TensorFlow starts. One GPU then holds two
+    replicas (their all-reduces run TensorFlow's RING, not NCCL, which
+    needs a physical GPU per replica); with several GPUs every replica has
+    its own and all-reduces over NCCL. No GPU: nothing to do.
+    """
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    per_gpu = 2 if len(gpus) == 1 else 1
+    for gpu in gpus:
+        tf.config.set_logical_device_configuration(
+            gpu,
+            [
+                tf.config.LogicalDeviceConfiguration(
+                    memory_limit=GPU_MEMORY_LIMIT_MB
+                )
+            ]
+            * per_gpu,
+        )
 
 
 @pytest.fixture

@@ -34,7 +34,8 @@ def load_digits_split() -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError(
             "The demo needs scikit-learn for its bundled digits data: "
-            "pip install 'keras-replicator[dev]' or pip install scikit-learn"
+            "pip install scikit-learn (or, in a keras-replicator checkout, "
+            "pip install '.[demo]')"
         ) from e
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]

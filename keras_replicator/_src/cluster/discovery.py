@@ -304,8 +304,9 @@ def _mpi_comm():
     except ImportError as e:
         raise ImportError(
             "An MPI launch was detected (PMI_RANK / OMPI_COMM_WORLD_RANK / "
-            "PMIX_RANK is set) but mpi4py is not installed. Install the "
-            "extra: pip install 'keras-replicator[mpi]'"
+            "PMIX_RANK is set) but mpi4py is not installed: pip install "
+            "mpi4py (or, in a keras-replicator checkout, pip install "
+            "'.[mpi]')"
         ) from e
     return MPI.COMM_WORLD
 
