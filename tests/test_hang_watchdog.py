@@ -30,6 +30,8 @@ SLOW = 3.0
 # For tests in which nothing may fire: long enough for the timed parts of a
 # loop (a step, an epoch's new iterator) on a machine whose cores are busy.
 QUIET = 10.0
+# For the test whose untimed parts each outlast the timeout.
+UNTIMED_HANG = 6.0
 
 
 @pytest.fixture(autouse=True)
@@ -149,14 +151,16 @@ def test_an_interrupt_python_ignores_is_sent_again(capfd):
 def test_no_false_alarm_for_a_slow_first_step_saves_and_validation(
     tmp_path, capfd
 ):
-    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+    # A 6 s timeout: the timed parts (steps, epoch ends) stay far below it
+    # with both cores busy; each untimed part sleeps longer than it.
+    model = _model(kr.LocalReplicator(2, hang_seconds=UNTIMED_HANG))
     slept = []
 
     def slow_once(function, what):
         def slow(*args, **kwargs):
             if what not in slept:
                 slept.append(what)
-                time.sleep(SLOW)
+                time.sleep(UNTIMED_HANG + 1)
             return function(*args, **kwargs)
 
         return slow
@@ -171,7 +175,7 @@ def test_no_false_alarm_for_a_slow_first_step_saves_and_validation(
         saves.append(1)
         save_weights(*args, **kwargs)
         if len(saves) <= 2:  # the first backup and the first checkpoint
-            time.sleep(SLOW)
+            time.sleep(UNTIMED_HANG + 1)
 
     model.save_weights = slow_save
     x, y = _data()
@@ -191,7 +195,11 @@ def test_no_false_alarm_for_a_slow_first_step_saves_and_validation(
     )
     assert slept == ["train trace", "test trace"]
     assert len(saves) == 4
-    assert "keras-replicator watchdog" not in capfd.readouterr().err
+    # A stall warning (at half the timeout) may come on a busy machine; the
+    # watchdog must not fire.
+    err = capfd.readouterr().err
+    assert "this process is stuck" not in err
+    assert "interrupting the" not in err
 
 
 @pytest.mark.parametrize("where", ["first step", "save"])
@@ -277,7 +285,8 @@ def test_replicate_times_each_call_not_the_time_between_calls(capfd):
     step()
     time.sleep(SLOW)  # the caller's own time between calls
     step()
-    assert "keras-replicator watchdog" not in capfd.readouterr().err
+    # (A stall warning may come on a busy machine; no fire.)
+    assert "this process is stuck" not in capfd.readouterr().err
     delay[0] = SLOW
     # Raised when the call returns: Python cannot interrupt TensorFlow.
     with pytest.raises(RuntimeError, match="stopped this replicate"):

@@ -1,0 +1,194 @@
+"""Per-process memory under ModelParallel, one device per process.
+
+An MLP of `--layers` Dense(`--width`) layers on `--width` inputs (6 x 4096:
+100.7M parameters), Adam, every kernel laid out `(None, "model")` on a
+(1, N) mesh, trained `--steps` steps at global batch 16. N = 1 is one
+device in one process (no distribution); N > 1 is
+`keras-replicator launch --workers N --replicas-per-worker 1`, so each
+process is one device and its peak RSS is one device's footprint.
+
+Each process reports its RSS above the import (after
+`keras.distribution.initialize()`), current and peak, at each stage:
+after building the model, after building the optimizer's slots, and after
+`fit`. Peaks are per stage (`/proc/self/clear_refs`). The script prints
+every process's numbers, each stage's median over the processes against
+one device, and the ideal `4 bytes x parameters x (1 weight + 2 Adam
+slots + 1 gradient) / N` for `fit`.
+
+    python benchmarks/capacity.py [--workers 1,4] [--width 4096] [--layers 6]
+
+Not yet covered: the keras-hub Gemma preset load and saves.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import label  # noqa: E402
+
+STAGES = ("build", "slots", "fit")
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return (
+        int(fields["VmRSS"].split()[0]) / 1024,
+        int(fields["VmHWM"].split()[0]) / 1024,
+    )
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _worker(args):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_replicator  # noqa: F401 - keras.distribution on TF
+
+    if args.workers > 1:
+        keras.distribution.initialize()
+    base, _ = _rss()
+    _reset_peak()
+    out = {}
+
+    def stage(name):
+        now, peak = _rss()
+        out[name] = [round(now - base), round(peak - base)]
+        _reset_peak()
+
+    if args.workers > 1:
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh(
+            (1, len(devices)), ("batch", "model"), devices
+        )
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*kernel"] = (None, "model")
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch"
+            )
+        )
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((args.width,))]
+        + [
+            keras.layers.Dense(args.width, name=f"d{i}")
+            for i in range(args.layers)
+        ]
+    )
+    stage("build")
+    model.compile(keras.optimizers.Adam(1e-4), "mse")
+    model.optimizer.build(model.trainable_variables)
+    stage("slots")
+    x = (
+        np.random.default_rng(0)
+        .normal(size=(16 * args.steps, args.width))
+        .astype("float32")
+    )
+    data = tf.data.Dataset.from_tensor_slices((x, x)).batch(16)
+    model.fit(data, epochs=1, verbose=0)
+    stage("fit")
+    out["parameters"] = model.count_params()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _run(args, workers):
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--workers",
+        str(workers),
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--steps",
+        str(args.steps),
+    ]
+    if workers > 1:
+        launcher = os.path.join(
+            os.path.dirname(sys.executable), "keras-replicator"
+        )
+        command = [
+            launcher,
+            "launch",
+            "--workers",
+            str(workers),
+            "--replicas-per-worker",
+            "1",
+            "--",
+            *command,
+        ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, check=False
+    )
+    results = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in done.stdout.splitlines()
+        if "RESULT " in line
+    ]
+    if done.returncode or len(results) != workers:
+        raise RuntimeError(
+            f"{workers} process(es) failed (exit {done.returncode}):\n"
+            + done.stdout[-3000:]
+            + done.stderr[-3000:]
+        )
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--workers", default="1,4")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    if args.worker:
+        args.workers = int(args.workers)
+        _worker(args)
+        return
+    counts = [int(n) for n in args.workers.split(",")]
+    print(label())
+    runs = {n: _run(args, n) for n in counts}
+    one = runs.get(1)
+    parameters = runs[counts[0]][0]["parameters"]
+    print(f"parameters: {parameters / 1e6:.1f}M")
+    for n, results in runs.items():
+        for i, r in enumerate(results):
+            print(
+                f"N={n} process {i}: "
+                + ", ".join(f"{s} {r[s][0]}/{r[s][1]} MB" for s in STAGES)
+                + " (now/peak above the import)"
+            )
+        if one is None or n == 1:
+            continue
+        for s in STAGES:
+            peak = statistics.median(r[s][1] for r in results)
+            ratio = [r[s][1] / one[0][s][1] for r in results]
+            print(
+                f"N={n} {s}: peak median {peak:.0f} MB = "
+                f"{statistics.median(ratio):.2f} of one device "
+                f"(min {min(ratio):.2f}, max {max(ratio):.2f})"
+            )
+        ideal = 4 * parameters * 4 / n / 2**20
+        print(
+            f"N={n} fit ideal: 4 B x {parameters / 1e6:.1f}M x (weight + 2 "
+            f"slots + gradient) / {n} = {ideal:.0f} MB, plus transients"
+        )
+
+
+if __name__ == "__main__":
+    main()
