@@ -230,9 +230,7 @@ def test_model_parallel_stores_blocks_on_the_gpus():
     _assert_same_training(reference, ref_losses, model, _fit(model))
     # Adam's slots are stored like the kernel they belong to.
     slots = [
-        v
-        for v in model.optimizer.variables
-        if tuple(v.shape) == (WIDTH, WIDTH)
+        v for v in model.optimizer.variables if tuple(v.shape) == (WIDTH, WIDTH)
     ]
     assert slots
     for slot in slots:

@@ -197,41 +197,47 @@ def draw(value: Any, shape, dtype) -> Draw | Fill | Any:
         or 0 in shape
     ):
         return value()
-    made = []
-
-    def replace(kind, original):
-        def stand_in(shape=None, seed=None, dtype=tf.float32, **kw):
-            if kind == "uniform":
-                low, high = kw.get("minval", 0.0), kw.get("maxval", 1.0)
-                scale, shift = _standing(high - low), _standing(low)
-            else:
-                scale = _standing(kw.get("stddev", 1.0))
-                shift = _standing(kw.get("mean", 0.0))
-            if (
-                made
-                or tuple(int(d) for d in shape) != full_shape
-                or tf.as_dtype(dtype) != tf.float32
-                or None in (scale, shift)
-                or kw.get("alg") not in (None, "auto_select", "philox")
-            ):
-                return original(shape=shape, seed=seed, dtype=dtype, **kw)
-            made.append(Draw(kind, full_shape, seed, scale, shift))
-            return made[-1]
-
-        return stand_in
-
-    full_shape = shape
-    names = {
-        "stateless_uniform": "uniform",
-        "stateless_normal": "normal",
-        "stateless_truncated_normal": "truncated",
-    }
-    originals = {name: getattr(tf.random, name) for name in names}
-    for name, kind in names.items():
-        setattr(tf.random, name, replace(kind, originals[name]))
+    saved = getattr(_local, "drawing", None)
+    _local.drawing = (shape, [])
     try:
         result = value()
     finally:
-        for name, original in originals.items():
-            setattr(tf.random, name, original)
+        _local.drawing = saved
     return result
+
+
+def stand_in(kind: str, original, *args, **kwargs):
+    """`tf.random.stateless_<kind>`, or a `Draw` while `draw` is asking.
+
+    Installed by `patches/sharded_variables.py` in place of TensorFlow's
+    `stateless_uniform`, `stateless_normal` and `stateless_truncated_normal`;
+    every call but the one full-shaped float32 Philox draw of a variable
+    being created block by block goes to TensorFlow.
+    """
+    drawing = getattr(_local, "drawing", None)
+    if drawing is None:
+        return original(*args, **kwargs)
+    full_shape, made = drawing
+    call = dict(zip(("shape", "seed"), args, strict=False))
+    call.update(kwargs)
+    shape, seed = call.get("shape"), call.get("seed")
+    dtype = call.get("dtype", tf.float32)
+    if kind == "uniform":
+        low, high = call.get("minval", 0.0), call.get("maxval", 1.0)
+        scale, shift = _standing(high - low), _standing(low)
+    else:
+        scale = _standing(call.get("stddev", 1.0))
+        shift = _standing(call.get("mean", 0.0))
+    if (
+        made
+        or len(args) > 2
+        or shape is None
+        or seed is None
+        or tuple(int(d) for d in shape) != full_shape
+        or tf.as_dtype(dtype) != tf.float32
+        or None in (scale, shift)
+        or call.get("alg") not in (None, "auto_select", "philox")
+    ):
+        return original(*args, **kwargs)
+    made.append(Draw(kind, full_shape, seed, scale, shift))
+    return made[-1]

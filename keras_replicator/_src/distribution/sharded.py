@@ -30,11 +30,13 @@ every process do), and an assignment writes the local blocks.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 from keras.src.distribution import distribution_lib
+from tensorflow.python.eager import context
 
 from keras_replicator._src import collectives
 from keras_replicator._src.core import placements
@@ -230,9 +232,51 @@ def full_value(variable: Any) -> tf.Tensor:
     placement = placements.of(variable)
     strategy = variable._value.distribute_strategy
     if _multi_process(strategy):
+        _all_processes_here(strategy, variable.path)
         return _gather_blocks(strategy, variable._value, placement)
     blocks = [tf.convert_to_tensor(c) for c in variable._value.values]
     return placement.assemble(tf.stack(blocks))
+
+
+# Host-side reads of sharded values, counted alike on every process.
+_host_reads = itertools.count()
+_DEFAULT_READ_TIMEOUT = 60.0
+
+
+def _all_processes_here(strategy, path: str) -> None:
+    """Waits, bounded, until every process reads the same sharded value.
+
+    The read is an all-gather: a process that reads alone (a chief-only
+    `model.get_weights()`) would wait in it forever. A barrier of the
+    coordination service comes first, so that such a read fails within
+    the replicator's collective timeout (else its start-up timeout, else
+    60 s) with an error that says what to do.
+
+    Raises:
+        RuntimeError: If the other processes did not read it in time.
+    """
+    if not tf.executing_eagerly():
+        return
+    read = next(_host_reads)
+    seconds = (
+        getattr(strategy, "collective_timeout_seconds", None)
+        or getattr(strategy, "timeout_seconds", None)
+        or _DEFAULT_READ_TIMEOUT
+    )
+    try:
+        context.context().wait_at_barrier(
+            f"keras_replicator/sharded_read/{read}", int(seconds * 1000)
+        )
+    except (tf.errors.OpError, RuntimeError) as error:
+        raise RuntimeError(
+            "Reading a variable sharded by ModelParallel outside a training "
+            "step all-gathers its blocks from every process, so every "
+            "process must read it at the same point: call `get_weights()`, "
+            "`numpy()`, `save_weights` or `model.save` on every process "
+            "(the chief alone writes the file), not under `if chief:`. The "
+            f"other processes did not join this read within {seconds:g} s. "
+            f"Received: variable path={path!r}"
+        ) from error
 
 
 def _gather_blocks(strategy, stored, placement) -> tf.Tensor:

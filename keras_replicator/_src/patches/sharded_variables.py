@@ -84,6 +84,14 @@ def _initialize_with_initializer(original, self, initializer):
         return original(self, initializer)
 
 
+def _stateless(kind):
+    def stateless(original, *args, **kwargs):
+        return block_draw.stand_in(kind, original, *args, **kwargs)
+
+    stateless.__name__ = f"stateless_{kind}"
+    return stateless
+
+
 def _value(original, self):
     if (
         placements.of(self) is None
@@ -264,6 +272,18 @@ PATCH = registry.register(
                 "_initialize_with_initializer",
                 _initialize_with_initializer,
             ),
+            # A sharded variable's random initial value, drawn by blocks.
+            registry.Target(
+                tf.random, "stateless_uniform", _stateless("uniform")
+            ),
+            registry.Target(
+                tf.random, "stateless_normal", _stateless("normal")
+            ),
+            registry.Target(
+                tf.random,
+                "stateless_truncated_normal",
+                _stateless("truncated"),
+            ),
             registry.Target(_Variable, "value", _value),
             registry.Target(_Variable, "handle", _handle),
             registry.Target(_Variable, "_direct_assign", _direct_assign),
@@ -301,6 +321,14 @@ PATCH = registry.register(
                     "self._value.assign(tf.cast(value, self._value.dtype))",
                     "return tf.convert_to_tensor(self.value, dtype=dtype, "
                     "name=name)",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.random",
+                (
+                    "return tf.random.stateless_normal(",
+                    "return tf.random.stateless_uniform(",
+                    "return tf.random.stateless_truncated_normal(",
                 ),
             ),
             registry.Pin(
