@@ -17,7 +17,17 @@ slots + 1 gradient) / N` for `fit`.
 
     python benchmarks/capacity.py [--workers 1,4] [--width 4096] [--layers 6]
 
-Not yet covered: the keras-hub Gemma preset load and saves.
+With `--model gemma`: a keras-hub `GemmaCausalLM` of 100.9M parameters
+(vocabulary 33000, 4 layers, hidden 1024, 8 heads of 128, MLP 8192),
+built from a config and saved with `save_to_preset` into a temporary
+directory by a process of its own (no download); each run then loads it
+with `GemmaCausalLM.from_preset(directory)` under Gemma's own layout map
+(`GemmaBackbone.get_layout_map`) on a (1, N) mesh, and trains one step.
+Stages: after `from_preset` (`load`), after the step (`fit`), and whether
+the loaded weights equal the preset's (a checksum per variable, reported
+by process 0, against one device).
+
+Not yet covered: saves.
 """
 
 import argparse
@@ -26,13 +36,24 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import label  # noqa: E402
 
-STAGES = ("build", "slots", "fit")
+STAGES = {"mlp": ("build", "slots", "fit"), "gemma": ("load", "fit")}
+GEMMA = dict(
+    vocabulary_size=33000,
+    num_layers=4,
+    num_query_heads=8,
+    num_key_value_heads=8,
+    hidden_dim=1024,
+    intermediate_dim=8192,
+    head_dim=128,
+    dtype="float32",
+)
 
 
 def _rss():
@@ -67,6 +88,9 @@ def _worker(args):
         out[name] = [round(now - base), round(peak - base)]
         _reset_peak()
 
+    if args.model == "gemma":
+        _gemma(args, stage, out)
+        return
     if args.workers > 1:
         devices = keras.distribution.list_devices()
         mesh = keras.distribution.DeviceMesh(
@@ -103,6 +127,61 @@ def _worker(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def _gemma(args, stage, out):
+    """Loads the preset under Gemma's layout map, trains one step."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    if args.workers > 1:
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh(
+            (1, len(devices)), ("batch", "model"), devices
+        )
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+                batch_dim_name="batch",
+            )
+        )
+    model = keras_hub.models.GemmaCausalLM.from_preset(
+        args.preset, preprocessor=None
+    )
+    stage("load")
+    # Every process reads every value: a collective under ModelParallel.
+    out["checksums"] = [
+        float(np.asarray(w, "float64").sum()) for w in model.get_weights()
+    ]
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    tokens = np.random.default_rng(0).integers(1, 1000, size=(4, 17))
+    x = {
+        "token_ids": tokens[:, :-1].astype("int32"),
+        "padding_mask": np.ones((4, 16), "bool"),
+    }
+    import tensorflow as tf
+
+    data = tf.data.Dataset.from_tensors((x, tokens[:, 1:]))
+    history = model.fit(data, epochs=1, verbose=0)
+    stage("fit")
+    out["loss"] = history.history["loss"][-1]
+    out["parameters"] = model.count_params()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _save_preset(directory):
+    """Process of its own: a Gemma from GEMMA's config, saved as a preset."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(**GEMMA)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.save_to_preset(directory)
+
+
 def _run(args, workers):
     command = [
         sys.executable,
@@ -116,6 +195,10 @@ def _run(args, workers):
         str(args.layers),
         "--steps",
         str(args.steps),
+        "--model",
+        args.model,
+        "--preset",
+        str(args.preset),
     ]
     if workers > 1:
         launcher = os.path.join(
@@ -155,14 +238,29 @@ def main():
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--model", choices=("mlp", "gemma"), default="mlp")
+    parser.add_argument("--preset", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--save-preset", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.save_preset:
+        _save_preset(args.save_preset)
+        return
     if args.worker:
         args.workers = int(args.workers)
         _worker(args)
         return
     counts = [int(n) for n in args.workers.split(",")]
     print(label())
-    runs = {n: _run(args, n) for n in counts}
+    with tempfile.TemporaryDirectory(prefix="kr_capacity_") as tmp:
+        if args.model == "gemma":
+            args.preset = os.path.join(tmp, "gemma")
+            subprocess.run(
+                [sys.executable, __file__, "--save-preset", args.preset],
+                check=True,
+                timeout=900,
+            )
+        runs = {n: _run(args, n) for n in counts}
+    stages = STAGES[args.model]
     one = runs.get(1)
     parameters = runs[counts[0]][0]["parameters"]
     print(f"parameters: {parameters / 1e6:.1f}M")
@@ -170,12 +268,19 @@ def main():
         for i, r in enumerate(results):
             print(
                 f"N={n} process {i}: "
-                + ", ".join(f"{s} {r[s][0]}/{r[s][1]} MB" for s in STAGES)
+                + ", ".join(f"{s} {r[s][0]}/{r[s][1]} MB" for s in stages)
                 + " (now/peak above the import)"
             )
         if one is None or n == 1:
             continue
-        for s in STAGES:
+        if "checksums" in results[0]:
+            same = results[0]["checksums"] == one[0]["checksums"]
+            print(
+                f"N={n} loaded weights equal one device's: {same}; loss "
+                f"{results[0]['loss']:.6f} (one device "
+                f"{one[0]['loss']:.6f})"
+            )
+        for s in stages:
             peak = statistics.median(r[s][1] for r in results)
             ratio = [r[s][1] / one[0][s][1] for r in results]
             print(
@@ -183,6 +288,8 @@ def main():
                 f"{statistics.median(ratio):.2f} of one device "
                 f"(min {min(ratio):.2f}, max {max(ratio):.2f})"
             )
+        if args.model == "gemma":
+            continue
         ideal = 4 * parameters * 4 / n / 2**20
         print(
             f"N={n} fit ideal: 4 B x {parameters / 1e6:.1f}M x (weight + 2 "

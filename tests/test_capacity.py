@@ -114,3 +114,43 @@ def test_other_initializers_cut_the_full_value_with_one_devices_numbers():
         keras.distribution.set_distribution(None)
         assert kr.shard_shapes(kernel)["cpu:0"] == (8, 2)
         np.testing.assert_array_equal(kernel.numpy(), expected)
+
+
+def test_load_weights_cuts_blocks_from_the_files_arrays(tmp_path, monkeypatch):
+    def build():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(12, name="h")]
+        )
+        model.compile(keras.optimizers.Adam(), "mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    one = build()
+    one.fit(np.ones((8, 8)), np.ones((8, 12)), verbose=0)
+    one.save_weights(tmp_path / "one.weights.h5")
+    assigned = []
+    assign = sharded.assign
+
+    def spy(variable, value):
+        assigned.append((variable.path, type(value).__name__))
+        return assign(variable, value)
+
+    monkeypatch.setattr(sharded, "assign", spy)
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), (None, "model"))
+    )
+    try:
+        model = build()
+        assigned.clear()
+        model.load_weights(tmp_path / "one.weights.h5")
+    finally:
+        keras.distribution.set_distribution(None)
+    # The kernel and its two Adam slots, each from the file's array.
+    kernel = model.get_layer("h").kernel
+    assert sorted(assigned) == [
+        (model.optimizer.variables[i].path, "ndarray") for i in (2, 3)
+    ] + [(kernel.path, "ndarray")], assigned
+    assert kr.shard_shapes(kernel)["cpu:0"] == (8, 3)
+    for a, b in zip(one.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

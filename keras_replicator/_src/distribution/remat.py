@@ -16,16 +16,6 @@ which refuses them in a graph ("supports keywords arguments only when
 eager execution is enabled"); here they are bound first. A layer the user
 gave a remat mode keeps it.
 
-The forward pass goes one layer at a time too: a layer's all-gathers wait
-for its inputs. The backward pass also goes one layer at a time: a
-rematerialised layer's input gradient waits for its weights' gradients
-(averaged over the replicas and cut to the blocks), so the layer below
-starts only when this layer's full weight gradients are gone. Without
-that wait TensorFlow's executor runs every layer's weight-gradient matmul
-as soon as it can, and their full gradients wait together for their
-all-reduces. The wait costs the overlap of one layer's all-reduce with the
-next layer's backward pass.
-
 An embedding lookup is not rematerialised: its gradient needs only the ids,
 not the table, so there is nothing to free, and `tf.recompute_grad` would
 turn its sparse gradient dense (one device's optimizer sees the sparse
@@ -41,7 +31,6 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras.src.backend.common import remat as keras_remat
-from tensorflow.python.eager import record
 
 from keras_replicator._src.core import placements
 
@@ -75,49 +64,6 @@ def _rematerialized_call(layer_call, *args, **kwargs):
         if not args or not all(tf.is_tensor(x) for x in args):
             # tf.recompute_grad takes tensors only.
             return layer_call(*args, **kwargs)
-        return _recompute_grad(lambda *xs: layer_call(*xs, **kwargs))(*args)
+        return tf.recompute_grad(lambda *xs: layer_call(*xs, **kwargs))(*args)
 
     return call
-
-
-def _recompute_grad(f):
-    """`tf.recompute_grad(f)` whose input gradients wait for the weights'."""
-
-    @tf.custom_gradient
-    def inner(*args):
-        # The layer's all-gathers wait for its inputs: they depend on no
-        # data, so the executor would otherwise run every layer's at the
-        # start of the step and hold all the gathered weights at once.
-        with record.stop_recording(), tf.control_dependencies(args):
-            result = f(*args)
-
-        def grad(*upstream, variables=None):
-            variables = list(variables or ())
-            with tf.GradientTape() as tape:
-                # Recomputed once the upstream gradient exists, not in the
-                # forward pass (which would keep the gathered weights).
-                with tf.control_dependencies(upstream):
-                    inputs = [tf.identity(x) for x in args]
-                tape.watch(inputs)
-                tape.watch(variables)
-                recomputed = f(*inputs)
-            grads = tape.gradient(
-                recomputed,
-                inputs + variables,
-                output_gradients=list(upstream),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            input_grads = grads[: len(inputs)]
-            variable_grads = grads[len(inputs) :]
-            done = [
-                g.values if isinstance(g, tf.IndexedSlices) else g
-                for g in variable_grads
-            ]
-            if done:
-                with tf.control_dependencies(done):
-                    input_grads = [tf.identity(g) for g in input_grads]
-            return input_grads, variable_grads
-
-        return result, grad
-
-    return inner

@@ -167,8 +167,6 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
         )
 
         def grad(upstream):
-            if not isinstance(upstream, tf.IndexedSlices):
-                return _reduced_block(upstream, placement, replica, ctx)
             (reduced,) = replica_mean.mean_gradients([upstream], ctx)
             if isinstance(reduced, tf.IndexedSlices):
                 return _sparse_block(reduced, placement, replica)
@@ -177,31 +175,6 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
         return full, grad
 
     return gather(local)
-
-
-def _reduced_block(upstream, placement, replica, ctx):
-    """This replica's block of the averaged gradient `upstream`.
-
-    A reduce-scatter, emulated: TensorFlow's CPU collectives have none,
-    and one all-reduce of the full gradient would hold the full average
-    and the ring's buffers beside the full gradient. Instead each distinct
-    block is averaged on its own, one after the other, and every replica
-    keeps its own: the same bytes on the wire, block-sized transients.
-    Every replica issues the same all-reduces in the same order.
-    """
-    starts = {}
-    for r in range(placement.num_devices):
-        starts.setdefault(placement.begin(r), r)
-    mine = None
-    previous: list = []
-    for begin, r in starts.items():
-        with tf.control_dependencies(previous):
-            piece = placement.block(upstream, r)
-        (reduced,) = replica_mean.mean_gradients([piece], ctx)
-        previous = [reduced]
-        if begin == placement.begin(replica):
-            mine = reduced
-    return mine
 
 
 def _sparse_block(slices, placement, replica):
@@ -308,9 +281,22 @@ def assign(variable: Any, value: Any):
         The value assigned (as Keras' `assign` does).
     """
     placement = placements.of(variable)
-    value = tf.convert_to_tensor(value, dtype=variable._value.dtype)
     ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.strategy is variable._value.distribute_strategy:
+    strategy = variable._value.distribute_strategy
+    in_step = ctx is not None and ctx.strategy is strategy
+    if not in_step and isinstance(value, np.ndarray):
+        # A value read from a file (`load_weights`, `from_preset`): only
+        # this process's blocks become tensors, never the full value.
+        dtype = variable._value.dtype.as_numpy_dtype
+        for r, component in zip(
+            _local_replicas(strategy), variable._value.values, strict=True
+        ):
+            component.assign(
+                np.ascontiguousarray(placement.block(value, r), dtype=dtype)
+            )
+        return value
+    value = tf.convert_to_tensor(value, dtype=variable._value.dtype)
+    if in_step:
         # In a replica step: this replica's block only.
         component = variable._value._get_on_device_or_primary()
         if tuple(value.shape) != tuple(placement.local_shape):
@@ -318,7 +304,6 @@ def assign(variable: Any, value: Any):
             value = placement.block(value, replica)
         component.assign(value)
         return value
-    strategy = variable._value.distribute_strategy
     for r, component in zip(
         _local_replicas(strategy), variable._value.values, strict=True
     ):

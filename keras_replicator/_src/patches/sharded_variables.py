@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.tensorflow import core as tf_core
@@ -122,7 +123,24 @@ def _direct_assign(original, self, value):
 
 
 def _assign(original, self, value):
-    if placements.of(self) is None or not placements.reading_locally():
+    if placements.of(self) is None:
+        return original(self, value)
+    if (
+        isinstance(value, np.ndarray)
+        and tf.distribute.get_replica_context() is None
+        and not common_variables.in_stateless_scope()
+    ):
+        # A value from a file (`load_weights`, `from_preset`): Keras would
+        # make it a full tensor first; each block is cut from the array.
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(
+                "The shape of the target variable and the shape of the "
+                "target value in `variable.assign(value)` must match. "
+                f"variable.shape={self.shape}, Received: "
+                f"value.shape={value.shape}. Target variable: {self}"
+            )
+        return sharded.assign(self, value)
+    if not placements.reading_locally():
         return original(self, value)
     # An optimizer's own update of a block (Keras' gradient accumulators:
     # `g_acc.assign(g + acc_g)`): Keras' check compares with the full shape.
