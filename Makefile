@@ -13,7 +13,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # `make demo`'s included, quiet their own unless TF_CPP_MIN_LOG_LEVEL is set).
 test: export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test lint docs install clean
+.PHONY: demo test test-compat lint docs install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,5 +51,46 @@ test: $(STAMP) lint docs
 	# Exit code 5 means no multi-worker test was collected.
 	$(BIN)/pytest -q --timeout=600 --durations=25 -m multi_worker || test $$? -eq 5
 
+# The older supported TensorFlow releases, each with the oldest Keras it
+# installs with, as TENSORFLOW/KERAS (`make test` runs the newest pair, in
+# .venv). Keep in step with keras_replicator/_src/core/versions.py.
+COMPAT_PAIRS := 2.19.1/3.10.0 2.20.0/3.12.0
+# The core tests, and the ones of the version-specific code itself.
+COMPAT_TESTS := tests/test_local_replicator.py tests/test_drop_in.py \
+	tests/test_distribution.py tests/test_primitives.py tests/test_sharding.py \
+	tests/test_patches.py tests/test_versions.py
+# test_patches' install-order sweep (about 250 permutations) adds minutes
+# and nothing version-specific: it runs in `make test`.
+COMPAT_DESELECT := -k "not test_any_install_order"
+COMPAT_TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5"
+
+compat_tf = $(firstword $(subst /, ,$(1)))
+compat_keras = $(lastword $(subst /, ,$(1)))
+compat_venv = .venv-compat-tf$(basename $(call compat_tf,$(1)))
+# The stamp names the pair: changing a pin above installs again.
+compat_stamp = $(call compat_venv,$(1))/.installed-tf$(call compat_tf,$(1))-keras$(call compat_keras,$(1))
+
+# One venv per pair, made once: the package as users install it (its own
+# dependencies resolved by pip), the pair pinned, and the test runner.
+define compat_venv_rule
+$(call compat_stamp,$(1)): pyproject.toml
+	test -x $(call compat_venv,$(1))/bin/python || $(PYTHON) -m venv $(call compat_venv,$(1))
+	rm -f $(call compat_venv,$(1))/.installed-*
+	$(call compat_venv,$(1))/bin/python -m pip install --quiet --disable-pip-version-check \
+		-e . tensorflow==$(call compat_tf,$(1)) keras==$(call compat_keras,$(1)) $(COMPAT_TEST_DEPS)
+	touch $$@
+endef
+$(foreach pair,$(COMPAT_PAIRS),$(eval $(call compat_venv_rule,$(pair))))
+
+# Every pair runs, then the target fails if any pair failed.
+test-compat: $(foreach pair,$(COMPAT_PAIRS),$(call compat_stamp,$(pair)))
+	@failed=""; for pair in $(COMPAT_PAIRS); do \
+		tf=$${pair%/*}; keras=$${pair#*/}; venv=.venv-compat-tf$${tf%.*}; \
+		echo "== TensorFlow $$tf + Keras $$keras ($$venv)"; \
+		$$venv/bin/pytest -q --timeout=600 -n $(TEST_JOBS) --dist loadfile \
+			$(COMPAT_DESELECT) $(COMPAT_TESTS) || failed="$$failed $$pair"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-compat failed for:$$failed"; exit 1; fi
+
 clean:
-	rm -rf $(VENV) build *.egg-info site
+	rm -rf $(VENV) .venv-compat-* build *.egg-info site

@@ -217,8 +217,19 @@ def _custom_test_step():
     model = _compile(_guide_model(), keras.optimizers.Adam(0.01))
     history = _fit(model, x, y, validation_data=data(64, seed=5))
     evaluated = model.evaluate(*data(64, seed=6), batch_size=32, verbose=0)
-    history["evaluate"] = [float(v) for v in np.ravel(evaluated)]
+    history["evaluate"] = _floats(evaluated)
     return model, history
+
+
+def _floats(values):
+    """`evaluate`'s results as floats, nested dicts flattened by key."""
+    # Keras < 3.14 returns a custom test_step's nested dict
+    # ({"compile_metrics": {...}}) as one result; 3.14 flattens the logs.
+    if isinstance(values, dict):
+        return [f for key in sorted(values) for f in _floats(values[key])]
+    if isinstance(values, list | tuple):
+        return [f for v in values for f in _floats(v)]
+    return [float(v) for v in np.ravel(values)]
 
 
 def _gan():

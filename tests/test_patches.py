@@ -13,10 +13,12 @@ from keras_replicator._src.core import traits
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import registry
 
+# The pins that describe the installed Keras and TensorFlow.
 PINS = [
-    pytest.param(patch, pin, id=f"{patch.name}:{pin.module}")
+    pytest.param(patch, pin, id=f"{patch.name}:{pin.module}:{i}")
     for patch in registry.patches()
-    for pin in patch.pins
+    for i, pin in enumerate(patch.pins)
+    if pin.applies()
 ]
 TARGETS = [(t.owner, t.name) for p in registry.patches() for t in p.targets]
 _MISSING = object()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import keras
 
 from keras_replicator._src.core import validation
+from keras_replicator._src.core import versions
 
 # Set on the optimizer while a warm-up is unfinished; see on_train_begin.
 _TARGET_ATTR = "_keras_replicator_warmup_target"
@@ -173,8 +174,9 @@ class LinearWarmup(keras.callbacks.Callback):
             self.model.optimizer.learning_rate = self.learning_rate(step)
 
     def on_train_batch_end(self, batch, logs=None):
-        """Counts steps (`batch` is the execution's last step)."""
-        self._seen = self._offset + batch + 1
+        """Counts steps (up to the execution's last step)."""
+        last = versions.batch_end_step(self.model, batch)
+        self._seen = self._offset + last + 1
 
 
 def _check_positive(name, value):

@@ -93,8 +93,12 @@ def _update_compile_metrics(compile_metrics, y, y_pred, sample_weight, mask):
     """`CompileMetrics.update_state`, with the mask for unweighted metrics."""
     if not compile_metrics.built:
         compile_metrics.build(y, y_pred)
-    y_true = compile_metrics._flatten_y(y)  # noqa: SLF001
-    y_pred = compile_metrics._flatten_y(y_pred)  # noqa: SLF001
+    # Keras 3.14's `CompileMetrics` has no `_flatten_y` (3.10 to 3.13 and
+    # 3.15 have it): it flattens with `tree.flatten`.
+    # TODO: delete when the oldest supported Keras is 3.15.
+    flatten = getattr(compile_metrics, "_flatten_y", tree.flatten)
+    y_true = flatten(y)
+    y_pred = flatten(y_pred)
     for metric, y_t, y_p in zip(
         compile_metrics._flat_metrics,  # noqa: SLF001
         y_true,
@@ -135,15 +139,36 @@ PATCH = registry.register(
                     "x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, "
                     "training=False",
                     "loss_module.unscale_loss_for_distribution(loss),",
-                    "next(i for i in tree.flatten(x) if i is not None)",
                     "return self.compute_metrics(x, y, y_pred, "
                     "sample_weight=sample_weight)",
                 ),
+                attributes=("TensorFlowTrainer._compute_loss",),
+            ),
+            # The loss tracker's weight: the batch size, from the first
+            # input (that is not None, since Keras 3.12).
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                ("next(i for i in tree.flatten(x) if i is not None)",),
+                keras=">=3.12",
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                ("sample_weight=tf.shape(tree.flatten(x)[0])[0],",),
+                keras="<3.12",
+            ),
+            registry.Pin(
+                "keras.src.trainers.compile_utils",
+                ("y_true = self._flatten_y(y_true)",),
+                keras="!=3.14.*",
+            ),
+            registry.Pin(
+                "keras.src.trainers.compile_utils",
+                ("y_true = tree.flatten(y_true)",),
+                keras="==3.14.*",
             ),
             registry.Pin(
                 "keras.src.trainers.compile_utils",
                 (
-                    "y_true = self._flatten_y(y_true)",
                     "for m, y_t, y_p in zip(self._flat_metrics, y_true, "
                     "y_pred):",
                     "m.update_state(y_t, y_p)",

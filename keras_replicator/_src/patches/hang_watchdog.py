@@ -70,6 +70,17 @@ PATCH = registry.register(
                     "callbacks.on_test_batch_end(end_step, logs)",
                     "callbacks.on_predict_batch_end(",
                 ),
+                keras=">=3.11",
+            ),
+            # Keras 3.10's loops pass the execution's first step.
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                (
+                    "callbacks.on_test_batch_end(step, logs)",
+                    "callbacks.on_predict_batch_end(step, "
+                    '{"outputs": batch_outputs})',
+                ),
+                keras="<3.11",
             ),
             registry.Pin(
                 "keras.src.callbacks.model_checkpoint",

@@ -77,7 +77,9 @@ def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
     if iterator is not None:
         data_batch = _batch_spec(iterator)
     if iterator is not None and data_batch is None:
-        for _, _, it in iterator:
+        # `(step, iterator)` on Keras 3.10, `(begin_step, end_step,
+        # iterator)` since 3.11.
+        for *_, it in iterator:
             data_batch = tf.nest.map_structure(_largest_local, next(it))
             break
     with strategy.scope():
@@ -171,10 +173,19 @@ PATCH = registry.register(
                     # fit and evaluate call `_maybe_symbolic_build` before
                     # each run; the replacement does what these lines do.
                     "self._maybe_symbolic_build(iterator=epoch_iterator)",
-                    "for _, _, it in iterator:",
                     "maybe_distributed_data_batch = next(it)",
                     "self._symbolic_build(data_batch=data_batch)",
                 ),
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                ("for _, _, it in iterator:",),
+                keras=">=3.11",
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                ("for _, it in iterator:",),
+                keras="<3.11",
             ),
             # What `Trainer._symbolic_build` checks before it builds
             # anything; `_fully_built` checks the same.
@@ -189,6 +200,7 @@ PATCH = registry.register(
                     "self._compile_loss.built",
                     "self.optimizer is not None and not self.optimizer.built",
                 ),
+                attributes=("Trainer._symbolic_build",),
             ),
         ),
         delete_when=(

@@ -24,7 +24,9 @@ before any replicator exists, so no replicator kind installs it):
 - cuts each global batch by process with a `map`
   (`Distribution.distribute_tf_dataset`), keeping the dataset's length,
   and passes `replicator.distribute(...)` data through
-  (`Distribution.distribute_dataset`);
+  (`Distribution.distribute_dataset`); on Keras 3.10 to 3.14, which cut
+  the batches in `DataParallel.distribute_dataset` and
+  `ModelParallel.distribute_dataset`, it replaces those two;
 - makes `set_distribution(d)` (which `Distribution.scope()` calls too) also
   make the replicator of `d` the current `tf.distribute` strategy, and
   `set_distribution(None)` drop it. The replicator comes from the factory
@@ -43,6 +45,7 @@ from keras.src import distribution as keras_src_distribution
 from keras.src.backend.tensorflow import distribution_lib as backend_lib
 from keras.src.distribution import distribution_lib
 
+from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
 
 _factory: Callable[[Any], Any] | None = None
@@ -133,7 +136,34 @@ def _distribute_tf_dataset(original, self, dataset):
     """
     if _joined() is None or not self._is_multi_process:
         return original(self, dataset)
-    count, index = self._num_processes, self._process_id
+    return _cut_by_process(dataset, self._num_processes, self._process_id)
+
+
+def _distribute_dataset_keras_3_10(original, self, dataset):
+    """`distribute_dataset` of a `DataParallel` or `ModelParallel`.
+
+    Keras 3.10 to 3.14 cut the batches by process in each distribution's
+    own `distribute_dataset` (`rebatch` then `shard`, as 3.15's
+    `distribute_tf_dataset` does); this does what `_distribute_dataset`
+    and `_distribute_tf_dataset` do on 3.15.
+    TODO: delete when the oldest supported Keras is 3.15.
+    """
+    joined = _joined()
+    if joined is None or not self._is_multi_process:
+        return original(self, dataset)
+    if isinstance(dataset, tf.distribute.DistributedDataset):
+        return dataset
+    # Keras 3.10's ModelParallel has no `auto_shard_dataset`: it always
+    # shards.
+    if not getattr(self, "_auto_shard_dataset", True) or not isinstance(
+        dataset, tf.data.Dataset
+    ):
+        return original(self, dataset)
+    return _cut_by_process(dataset, joined.num_processes, joined.process_id)
+
+
+def _cut_by_process(dataset, count, index):
+    """Process `index` of `count` takes its part of every global batch."""
 
     def cut(*element):
         element = element[0] if len(element) == 1 else element
@@ -215,31 +245,51 @@ _SET_OWNERS = tuple(
     )
 )
 
+if versions.keras_before("3.15"):
+    # Keras 3.10 to 3.14: `DataParallel` and `ModelParallel` each cut the
+    # dataset in their own `distribute_dataset`.
+    # TODO: delete when the oldest supported Keras is 3.15.
+    _DATASET_TARGETS = tuple(
+        registry.Target(
+            owner, "distribute_dataset", _distribute_dataset_keras_3_10
+        )
+        for owner in (
+            distribution_lib.DataParallel,
+            distribution_lib.ModelParallel,
+        )
+    )
+else:
+    _DATASET_TARGETS = (
+        registry.Target(
+            distribution_lib.Distribution,
+            "distribute_dataset",
+            _distribute_dataset,
+        ),
+        registry.Target(
+            distribution_lib.Distribution,
+            "distribute_tf_dataset",
+            _distribute_tf_dataset,
+        ),
+    )
+
 PATCH = registry.register(
     registry.Patch(
         name="keras_distribution",
         targets=(
             registry.Target(backend_lib, "list_devices", _list_devices),
-            registry.Target(backend_lib, "get_device_count", _get_device_count),
-            registry.Target(backend_lib, "num_processes", _num_processes),
-            registry.Target(backend_lib, "process_id", _process_id),
-            registry.Target(backend_lib, "initialize", _initialize),
-            registry.Target(
-                backend_lib, "distribute_tensor", _distribute_tensor
+            # Hooks the TensorFlow backend does not define.
+            *(
+                registry.Target(backend_lib, name, function, optional=True)
+                for name, function in (
+                    ("get_device_count", _get_device_count),
+                    ("num_processes", _num_processes),
+                    ("process_id", _process_id),
+                    ("initialize", _initialize),
+                    ("distribute_tensor", _distribute_tensor),
+                    ("distribute_data_input", _distribute_data_input),
+                )
             ),
-            registry.Target(
-                backend_lib, "distribute_data_input", _distribute_data_input
-            ),
-            registry.Target(
-                distribution_lib.Distribution,
-                "distribute_dataset",
-                _distribute_dataset,
-            ),
-            registry.Target(
-                distribution_lib.Distribution,
-                "distribute_tf_dataset",
-                _distribute_tf_dataset,
-            ),
+            *_DATASET_TARGETS,
             registry.Target(backend_lib, "_to_backend_mesh", _to_backend_mesh),
             registry.Target(
                 backend_lib, "_to_backend_layout", _to_backend_layout
@@ -257,9 +307,26 @@ PATCH = registry.register(
                 (
                     "set_distribution(self)",
                     "return distribution_lib.distribute_tensor(tensor, layout)",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.distribution.distribution_lib",
+                (
                     "self._num_processes = distribution_lib.num_processes()",
+                    "return self.distribute_tf_dataset(dataset)",
                     "def distribute_tf_dataset(self, dataset):",
                 ),
+                keras=">=3.15",
+            ),
+            registry.Pin(
+                "keras.src.distribution.distribution_lib",
+                (
+                    "self._num_process = distribution_lib.num_processes()",
+                    "self._is_multi_process = self._num_process > 1",
+                    "def distribute_dataset(self, dataset):",
+                    "distributed_dataset = dataset.rebatch(",
+                ),
+                keras="<3.15",
             ),
             registry.Pin(
                 "keras.src.backend.tensorflow.distribution_lib",

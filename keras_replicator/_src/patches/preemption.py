@@ -55,6 +55,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.callbacks import callback_list
 
 from keras_replicator._src.core import traits
+from keras_replicator._src.core import versions
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import registry
 from keras_replicator._src.training import hang_watchdog
@@ -66,6 +67,9 @@ PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
 _METADATA_FILE = "training_metadata.json"
 _logger = logging.getLogger("keras_replicator")
+
+# Keras 3.10's epoch iterators yield `(step, iterator)`.
+_KERAS_3_10 = versions.keras_before("3.11")
 
 
 class _Run:
@@ -148,7 +152,7 @@ def _on_train_batch_end(original, self, batch, logs=None):
     run = _run_for(self.model)
     if run is None:
         return original(self, batch, logs)
-    run.done = batch + 1
+    run.done = versions.batch_end_step(self.model, batch) + 1
     # The step ran (the first one traced): the hang watchdog times the
     # callbacks, and counts the step once they returned.
     hang_watchdog.arm()
@@ -557,7 +561,7 @@ def _resumed(original, self, resume: dict):
                     self._interrupted_warning()
                 break
             self._steps_seen += per_call
-            yield step, step + per_call - 1, self._current_iterator
+            yield _epoch_item(step, per_call, self._current_iterator)
         if self._num_batches and self._steps_seen >= self._num_batches:
             self._current_iterator = iter(self._get_iterator())
             self._steps_seen = 0
@@ -566,8 +570,17 @@ def _resumed(original, self, resume: dict):
         while True:
             step += per_call
             self._steps_seen = step + per_call
-            yield step, step + per_call - 1, iterator
+            yield _epoch_item(step, per_call, iterator)
     self.data_adapter.on_epoch_end()
+
+
+def _epoch_item(step, per_call, iterator):
+    """What Keras' epoch iterator yields for an execution from `step`."""
+    if _KERAS_3_10:
+        # Keras 3.10 yields `(step, iterator)`; 3.11 added the end step.
+        # TODO: delete when the oldest supported Keras is 3.11.
+        return step, iterator
+    return step, step + per_call - 1, iterator
 
 
 _Backup = keras.callbacks.BackupAndRestore
@@ -618,16 +631,38 @@ PATCH = registry.register(
                     "self._steps_seen += self.steps_per_execution",
                     "step = -self.steps_per_execution",
                 ),
+                attributes=("EpochIterator._interrupted_warning",),
+            ),
+            registry.Pin(
+                "keras.src.trainers.epoch_iterator",
+                ("yield step, step + self.steps_per_execution - 1, iterator",),
+                keras=">=3.11",
+            ),
+            registry.Pin(
+                "keras.src.trainers.epoch_iterator",
+                ("yield step, self._current_iterator", "yield step, iterator"),
+                keras="<3.11",
             ),
             registry.Pin(
                 "keras.src.backend.tensorflow.trainer",
                 (
                     "callbacks.on_epoch_begin(epoch)",
-                    "callbacks.on_train_batch_end(end_step, logs)",
                     "callbacks.on_epoch_end(epoch, epoch_logs)",
                     "callbacks.on_train_end(logs=training_logs)",
                     "initial_epoch = self._initial_epoch or initial_epoch",
                 ),
+            ),
+            # `_on_train_batch_end` counts the steps done from `batch`
+            # (`versions.batch_end_step`).
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                ("callbacks.on_train_batch_end(end_step, logs)",),
+                keras=">=3.11",
+            ),
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                ("callbacks.on_train_batch_end(step, logs)",),
+                keras="<3.11",
             ),
         ),
         delete_when=(

@@ -9,15 +9,24 @@ A `Patch` declares, in one place:
 - `applies_to`: the replicator kinds (`core.traits.KINDS`) that need it.
   Replicators install the patches of their kind when they are created;
   nothing else installs patches;
-- `pins`: the upstream source lines the replacement mirrors or relies on,
-  `Pin(module, lines)`. `tests/test_patches.py` fails for every pin whose
-  lines a Keras or TensorFlow upgrade changed;
+- `pins`: the upstream code the replacement mirrors or relies on,
+  `Pin(module, lines, attributes=..., keras=..., tensorflow=...)`: source
+  lines and private attributes of one module, for the Keras and TensorFlow
+  releases the pin's specifiers name (every supported release when they
+  are empty), so code that differs between releases has one pin per
+  variant. `tests/test_patches.py` fails for every pin of the installed
+  releases whose lines changed;
 - `delete_when`: the upstream fix (issue) after which it can go.
 
 A target may be a property (its getter is replaced; `function(original_getter,
-self)`) or an attribute the owner lacks (a backend hook Keras looks up but
-TensorFlow's backend never defined; `original` is then None and uninstalling
-removes it).
+self)`) or, marked `optional`, an attribute the owner may lack (a backend hook
+Keras looks up but TensorFlow's backend never defined; `original` is then None
+and uninstalling removes it).
+
+Every other target, and every attribute a pin of the installed releases
+names, must exist: `register` (at import) and `install` raise the
+`ImportError` of an unsupported version (`core/versions.py`) naming the
+missing attribute, instead of an `AttributeError` deep inside `fit`.
 
 Each attribute has exactly one owner: registering a second patch for the
 same attribute raises. Two behaviours on one method are composed inside
@@ -31,12 +40,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import threading
+import types
 from collections.abc import Callable
 from collections.abc import Iterable
 from typing import Any
 
 from keras_replicator._src.core import traits
+from keras_replicator._src.core import versions
 
 _MISSING = object()
 
@@ -49,24 +61,43 @@ class Target:
         owner: The class or module whose attribute is replaced.
         name: The attribute's name.
         function: `function(original, *args, **kwargs)`, the replacement.
+        optional: Whether the owner may lack the attribute (the patch then
+            adds it). Defaults to `False`: a missing attribute means an
+            unsupported Keras or TensorFlow.
     """
 
     owner: Any
     name: str
     function: Callable[..., Any]
+    optional: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Pin:
-    """Upstream source lines a patch relies on, all in one module.
+    """Upstream code a patch relies on, all in one module.
 
     Attributes:
         module: The dotted name of the upstream module.
         lines: Lines (stripped) that must appear in its source.
+        attributes: Dotted names in the module (`"Trainer._symbolic_build"`)
+            the patch reads or calls without replacing them; each must
+            exist. Defaults to none.
+        keras: The Keras releases the pin describes, as a pip specifier
+            (`"<3.11"`). Defaults to `""`: every supported release.
+        tensorflow: The same for TensorFlow.
     """
 
     module: str
     lines: tuple[str, ...]
+    attributes: tuple[str, ...] = ()
+    keras: str = ""
+    tensorflow: str = ""
+
+    def applies(self) -> bool:
+        """Whether the pin describes the installed Keras and TensorFlow."""
+        return versions.matches("keras", self.keras) and versions.matches(
+            "tensorflow", self.tensorflow
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +141,10 @@ def register(patch: Patch) -> Patch:
     Raises:
         ValueError: If its name is taken, or another patch already owns
             one of its attributes.
+        ImportError: If an attribute it replaces (not `optional`) or one
+            its pins name is missing: an unsupported Keras or TensorFlow.
     """
+    _check_hooks(patch)
     with _lock:
         if patch.name in _patches:
             raise ValueError(
@@ -151,12 +185,15 @@ def install(names: Iterable[str]) -> None:
 
     Raises:
         KeyError: If a name is not registered.
+        ImportError: If an attribute it replaces is missing (see
+            `register`).
     """
     with _lock:
         for name in names:
             patch = _patches[name]
             if name in _installed:
                 continue
+            _check_targets(patch)
             saved = []
             for target in patch.targets:
                 here = vars(target.owner).get(target.name, _MISSING)
@@ -226,6 +263,38 @@ def _bind(function, original):
 
     replacement.__keras_replicator_patch__ = True
     return replacement
+
+
+def _check_hooks(patch: Patch) -> None:
+    """Raises the unsupported-version error for a missing private hook."""
+    _check_targets(patch)
+    for pin in patch.pins:
+        if not pin.applies():
+            continue
+        module = importlib.import_module(pin.module)
+        for dotted in pin.attributes:
+            owner = module
+            for part in dotted.split("."):
+                owner = getattr(owner, part, _MISSING)
+                if owner is _MISSING:
+                    raise _missing(patch, f"{pin.module}.{dotted}")
+
+
+def _check_targets(patch: Patch) -> None:
+    for target in patch.targets:
+        if not target.optional and not hasattr(target.owner, target.name):
+            if isinstance(target.owner, types.ModuleType):
+                dotted = f"{target.owner.__name__}.{target.name}"
+            else:
+                dotted = f"{target.owner.__module__}.{_qualname(target)}"
+            raise _missing(patch, dotted)
+
+
+def _missing(patch: Patch, dotted: str) -> ImportError:
+    return versions.unsupported(
+        f"Patch {patch.name!r} needs `{dotted}`, which the installed Keras "
+        "or TensorFlow lacks."
+    )
 
 
 def _qualname(target: Target) -> str:

@@ -9,7 +9,8 @@ the replicator of a `ModelParallel` distribution (`distribution/runtime.py`):
   (as JAX does); a layout that splits a dimension makes block storage
   (`distribution/sharded.py`) and gives the variable that layout, so the
   optimizer slots Keras makes from it (`add_variable_from_reference` passes
-  `layout=reference._layout`) are split the same way.
+  `layout=reference._layout`) are split the same way. (Keras 3.10 to
+  3.14 drop that `layout`: there `Variable.__init__` keeps it.)
 - `Variable.value` of a sharded variable is, inside a replica step, its
   full value gathered from the blocks (with a gradient that reduces and cuts
   back to the block); while an optimizer updates it
@@ -44,6 +45,7 @@ from keras.src.optimizers import base_optimizer
 
 from keras_replicator._src import collectives
 from keras_replicator._src.core import placements
+from keras_replicator._src.core import versions
 from keras_replicator._src.distribution import block_draw
 from keras_replicator._src.distribution import sharded
 from keras_replicator._src.patches import registry
@@ -73,7 +75,7 @@ def _initialize(original, self, value):
         return original(self, value)
     self._value = sharded.create(self, value, placement, strategy)
     setattr(self, placements.ATTR, placement)
-    if self._layout is None:
+    if getattr(self, "_layout", None) is None:
         self._layout = layout
     return None
 
@@ -91,6 +93,15 @@ def _stateless(kind):
 
     stateless.__name__ = f"stateless_{kind}"
     return stateless
+
+
+def _init_keras_3_10(original, self, *args, layout=None, **kwargs):
+    # Keras 3.10 to 3.14 drop `layout` (`KerasVariable.__init__` deletes
+    # its kwargs); 3.15 keeps it as `_layout`, which `_initialize` above
+    # sets, `add_variable_from_reference` passes on to the optimizer slots
+    # and `ModelParallel.get_variable_layout` reads first.
+    self._layout = layout
+    original(self, *args, **kwargs)
 
 
 def _value(original, self):
@@ -279,6 +290,13 @@ def _clip_to(g, l2sum, clip_norm):
 
 _Variable = tf_core.Variable
 _Base = base_optimizer.BaseOptimizer
+# Keras 3.10 to 3.14: a variable keeps the `layout` it is created with.
+# TODO: delete when the oldest supported Keras is 3.15.
+_LAYOUT_TARGETS = (
+    (registry.Target(_Variable, "__init__", _init_keras_3_10),)
+    if versions.keras_before("3.15")
+    else ()
+)
 
 PATCH = registry.register(
     registry.Patch(
@@ -326,6 +344,7 @@ PATCH = registry.register(
                 _Base, "_backend_apply_gradients", _backend_apply_gradients
             ),
             registry.Target(_Base, "_clip_gradients", _clip_gradients),
+            *_LAYOUT_TARGETS,
         ),
         applies_to=KINDS,
         pins=(
@@ -339,6 +358,10 @@ PATCH = registry.register(
                     "self._value.assign(tf.cast(value, self._value.dtype))",
                     "return tf.convert_to_tensor(self.value, dtype=dtype, "
                     "name=name)",
+                ),
+                attributes=(
+                    "Variable._maybe_autocast",
+                    "Variable._map_aggregation",
                 ),
             ),
             registry.Pin(
@@ -355,6 +378,16 @@ PATCH = registry.register(
                     "return self._maybe_autocast(self._value)",
                     "self._initialize(initializer)",
                 ),
+            ),
+            registry.Pin(
+                "keras.src.backend.common.variables",
+                ("self._layout = layout",),
+                keras=">=3.15",
+            ),
+            registry.Pin(
+                "keras.src.backend.common.variables",
+                ("**kwargs,", "del kwargs"),
+                keras="<3.15",
             ),
             registry.Pin(
                 "keras.src.optimizers.base_optimizer",

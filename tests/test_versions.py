@@ -1,0 +1,180 @@
+"""Supported TensorFlow and Keras versions: declared once, checked at import."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import keras
+import pytest
+import tensorflow as tf
+from keras.src.backend.tensorflow import distribution_lib as backend_lib
+
+from keras_replicator._src.core import versions
+from keras_replicator._src.patches import registry
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FOUND = {"tensorflow": tf.__version__, "keras": keras.__version__}
+
+
+def _import_keras_replicator_after(code):
+    """Runs `code`, then `import keras_replicator`, in a fresh process."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    script = textwrap.dedent(code) + "\nimport keras_replicator\n"
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_pyproject_declares_the_supported_ranges():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for name, spec in versions.SUPPORTED.items():
+        assert f"{name}{spec}" in project["dependencies"]
+
+
+def test_the_installed_pair_is_supported():
+    versions.check()
+    assert versions.installed() == FOUND
+
+
+@pytest.mark.parametrize(
+    ("found", "problem"),
+    [
+        ({"tensorflow": "2.18.0", "keras": "3.15.1"}, "TensorFlow 2.18.0 is"),
+        ({"tensorflow": "2.22.0", "keras": "3.15.1"}, "TensorFlow 2.22.0 is"),
+        ({"tensorflow": "2.22.0rc0", "keras": "3.15.1"}, "2.22.0rc0 is"),
+        ({"tensorflow": "2.21.0", "keras": "3.9.0"}, "Keras 3.9.0 is"),
+        ({"tensorflow": "2.21.0", "keras": "3.16.0"}, "Keras 3.16.0 is"),
+        (
+            {"tensorflow": "2.18.1", "keras": "3.8.0"},
+            "TensorFlow 2.18.1 and Keras 3.8.0 are",
+        ),
+    ],
+)
+def test_versions_outside_the_range_are_refused(found, problem):
+    with pytest.raises(ImportError) as raised:
+        versions.check(found)
+    message = str(raised.value)
+    assert problem in message
+    assert "tensorflow>=2.19,<2.22 and keras>=3.10,<3.16" in message
+    received = f"tensorflow={found['tensorflow']}, keras={found['keras']}"
+    assert message.endswith(f"Received: {received}")
+
+
+@pytest.mark.parametrize(
+    "found",
+    [
+        {"tensorflow": "2.19.0", "keras": "3.10.0"},
+        {"tensorflow": "2.21.0rc1", "keras": "3.13.2"},
+        {"tensorflow": "2.21.9", "keras": "3.15.99"},
+    ],
+)
+def test_versions_inside_the_range_are_accepted(found):
+    versions.check(found)
+
+
+def test_import_refuses_an_unsupported_tensorflow():
+    # The real check, on the version TensorFlow reports.
+    result = _import_keras_replicator_after(
+        """
+        import tensorflow as tf
+        tf.__version__ = "2.18.0"
+        """
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: TensorFlow 2.18.0 is not supported.")
+    assert "supports tensorflow>=2.19,<2.22 and keras>=3.10,<3.16" in last
+    assert last.endswith(
+        f"Received: tensorflow=2.18.0, keras={keras.__version__}"
+    )
+
+
+def test_import_reports_a_missing_private_hook():
+    # As a Keras release without the private method a patch replaces.
+    result = _import_keras_replicator_after(
+        """
+        from keras.src.backend.tensorflow import trainer
+        del trainer.TensorFlowTrainer.test_step
+        """
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "ImportError: Patch 'exact_eval' needs `keras.src.backend."
+        "tensorflow.trainer.TensorFlowTrainer.test_step`, which the "
+        "installed Keras or TensorFlow lacks."
+    )
+    assert last.endswith(
+        f"Received: tensorflow={tf.__version__}, keras={keras.__version__}"
+    )
+
+
+class _Owner:
+    def hook(self):
+        return "stock"
+
+
+def _patch(targets=(), pins=()):
+    return registry.Patch(
+        name="test_versions_missing_hook",
+        targets=targets,
+        applies_to=frozenset({"local"}),
+        pins=pins,
+        delete_when="never",
+    )
+
+
+def test_a_missing_replaced_attribute_fails_registration():
+    target = registry.Target(_Owner, "_gone", lambda original, self: None)
+    with pytest.raises(ImportError, match=r"needs `tests\.test_versions\."):
+        registry.register(_patch(targets=(target,)))
+    assert "test_versions_missing_hook" not in {
+        p.name for p in registry.patches()
+    }
+
+
+def test_a_missing_pinned_attribute_fails_registration():
+    pin = registry.Pin(
+        "keras.src.backend.tensorflow.trainer",
+        (),
+        attributes=("TensorFlowTrainer._no_such_hook",),
+    )
+    with pytest.raises(
+        ImportError,
+        match="needs `keras.src.backend.tensorflow.trainer."
+        "TensorFlowTrainer._no_such_hook`",
+    ):
+        registry.register(_patch(pins=(pin,)))
+
+
+def test_a_pin_of_other_releases_is_not_checked():
+    pin = registry.Pin(
+        "keras.src.backend.tensorflow.trainer",
+        (),
+        attributes=("TensorFlowTrainer._no_such_hook",),
+        keras="<3.0",
+    )
+    assert not pin.applies()
+    registry._check_hooks(_patch(pins=(pin,)))
+
+
+def test_an_optional_target_may_be_missing():
+    assert not hasattr(backend_lib, "_keras_replicator_no_such_hook")
+    target = registry.Target(
+        backend_lib,
+        "_keras_replicator_no_such_hook",
+        lambda original: original,
+        optional=True,
+    )
+    registry._check_hooks(_patch(targets=(target,)))
