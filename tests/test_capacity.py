@@ -146,11 +146,12 @@ def test_load_weights_cuts_blocks_from_the_files_arrays(tmp_path, monkeypatch):
         model.load_weights(tmp_path / "one.weights.h5")
     finally:
         keras.distribution.set_distribution(None)
-    # The kernel and its two Adam slots, each from the file's array.
+    # The kernel and its two Adam slots, each from the file's array (an
+    # h5py dataset before Keras 3.12, of which only the blocks are read).
     kernel = model.get_layer("h").kernel
-    assert sorted(assigned) == [
-        (model.optimizer.variables[i].path, "ndarray") for i in (2, 3)
-    ] + [(kernel.path, "ndarray")], assigned
+    paths = [model.optimizer.variables[i].path for i in (2, 3)]
+    assert sorted(p for p, _ in assigned) == sorted(paths + [kernel.path])
+    assert {kind for _, kind in assigned} <= {"ndarray", "Dataset"}, assigned
     assert kr.shard_shapes(kernel)["cpu:0"] == (8, 3)
     for a, b in zip(one.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)

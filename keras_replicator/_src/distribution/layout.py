@@ -76,9 +76,12 @@ class Placement:
         )
 
     def block(self, full, replica: int):
-        """Replica `replica`'s block of `full` (a NumPy array or tensor)."""
+        """Replica `replica`'s block of `full`: an array, dataset or tensor.
+
+        A NumPy array gives a view; an h5py dataset reads the block only.
+        """
         begin = self.begin(replica)
-        if isinstance(full, np.ndarray):
+        if not tf.is_tensor(full) and not isinstance(full, tf.Variable):
             index = tuple(
                 slice(b, b + n)
                 for b, n in zip(begin, self.local_shape, strict=True)

@@ -271,6 +271,14 @@ def _gather_blocks(strategy, stored, placement) -> tf.Tensor:
     )
 
 
+def is_file_array(value: Any) -> bool:
+    """A NumPy array, or an h5py dataset (read only where it is sliced)."""
+    if isinstance(value, np.ndarray):
+        return True
+    kind = type(value)
+    return kind.__module__.startswith("h5py") and kind.__name__ == "Dataset"
+
+
 def assign(variable: Any, value: Any):
     """Assigns a full value (each replica's component gets its block).
 
@@ -284,16 +292,15 @@ def assign(variable: Any, value: Any):
     ctx = tf.distribute.get_replica_context()
     strategy = variable._value.distribute_strategy
     in_step = ctx is not None and ctx.strategy is strategy
-    if not in_step and isinstance(value, np.ndarray):
+    if not in_step and is_file_array(value):
         # A value read from a file (`load_weights`, `from_preset`): only
         # this process's blocks become tensors, never the full value.
         dtype = variable._value.dtype.as_numpy_dtype
         for r, component in zip(
             _local_replicas(strategy), variable._value.values, strict=True
         ):
-            component.assign(
-                np.ascontiguousarray(placement.block(value, r), dtype=dtype)
-            )
+            block = placement.block(value, r)
+            component.assign(np.ascontiguousarray(block, dtype=dtype))
         return value
     value = tf.convert_to_tensor(value, dtype=variable._value.dtype)
     if in_step:

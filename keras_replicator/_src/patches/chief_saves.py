@@ -81,14 +81,8 @@ def _read_along(model) -> None:
     )
 
 
-def _save_weights_only(original, model, filepath, *args, **kwargs):
-    if not _reader(model):
-        return original(model, filepath, *args, **kwargs)
-    _read_along(model)
-    return None
-
-
-def _save_model(original, model, filepath, *args, **kwargs):
+def _save(original, model, filepath, *args, **kwargs):
+    # `save_weights_only` and `save_model` alike.
     if not _reader(model):
         return original(model, filepath, *args, **kwargs)
     _read_along(model)
@@ -99,10 +93,8 @@ PATCH = registry.register(
     registry.Patch(
         name="chief_saves",
         targets=(
-            registry.Target(
-                saving_lib, "save_weights_only", _save_weights_only
-            ),
-            registry.Target(saving_lib, "save_model", _save_model),
+            registry.Target(saving_lib, "save_weights_only", _save),
+            registry.Target(saving_lib, "save_model", _save),
         ),
         applies_to=frozenset({"multi_worker"}),
         pins=(

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import numpy as np
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.tensorflow import core as tf_core
@@ -137,12 +136,14 @@ def _assign(original, self, value):
     if placements.of(self) is None:
         return original(self, value)
     if (
-        isinstance(value, np.ndarray)
+        sharded.is_file_array(value)
         and tf.distribute.get_replica_context() is None
         and not common_variables.in_stateless_scope()
     ):
         # A value from a file (`load_weights`, `from_preset`): Keras would
-        # make it a full tensor first; each block is cut from the array.
+        # make it a full tensor first; each block is cut from the array
+        # (from an h5py dataset, which Keras before 3.12 passes, only the
+        # block's bytes are read).
         if tuple(value.shape) != tuple(self.shape):
             raise ValueError(
                 "The shape of the target variable and the shape of the "
