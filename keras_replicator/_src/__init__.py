@@ -3,8 +3,13 @@
 Importing it first checks that TensorFlow and Keras are versions the
 patches were written for (`core/versions.py`): an unsupported version
 raises an `ImportError` here, before any module reads their internals.
+In the `keras-replicator` command's own process, whose `--help`, `launch`
+and `tf-config` import no TensorFlow (`cluster/lazy_package.py`), the
+check runs when the package loads in full instead.
 """
 
+from keras_replicator._src.cluster import lazy_package as _lazy_package
 from keras_replicator._src.core import versions as _versions
 
-_versions.check()
+if not _lazy_package.defer():
+    _versions.check()

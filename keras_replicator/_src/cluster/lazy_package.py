@@ -79,6 +79,10 @@ def load() -> types.ModuleType:
     package = sys.modules[PACKAGE]
     if _deferred:
         _deferred = False
+        # The version check `keras_replicator/_src/__init__.py` skipped.
+        from keras_replicator._src.core import versions
+
+        versions.check()
         # Runs `__init__.py` again in the same module object, now with its
         # imports: submodules imported meanwhile (the CLI) stay as they are.
         importlib.reload(package)
