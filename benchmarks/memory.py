@@ -48,6 +48,7 @@ GLOBAL_BATCH = 64
 
 def _worker(args):
     """One configuration in this process; prints a JSON line."""
+    import gc
     import resource
     import time
 
@@ -111,6 +112,7 @@ def _worker(args):
     np.savez(args.out, *model.get_weights())
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"peak_rss_mb": peak_mb, "step_ms": step_ms}
+    gc.collect()  # Tensors only garbage still holds do not count.
     try:
         # TensorFlow's CPU allocator: bytes held by live tensors (all
         # replicas' devices share it), now and at the peak of training.
