@@ -5,7 +5,13 @@
   `keras_replicator/_src/patches/`. Instances (a layer, an optimizer) are
   not patches and are not counted.
 - No two modules of `keras_replicator` import each other in a loop, counting
-  imports inside functions too, and patches never import replicators.
+  imports inside functions too and the package `__init__` an import runs
+  (`from keras_replicator._src.patches import replica_mean` first runs
+  `patches/__init__.py`, which imports every patch); patches never import
+  replicators.
+- No two folders of `_src` import each other, and the sharding mechanics
+  import neither the patches, the replicators nor the `distribution/` front
+  door above them.
 """
 
 import ast
@@ -118,8 +124,18 @@ def _imports():
                     # module import name` needs the module itself.
                     sub = f"{base}.{alias.name}"
                     edges.add(sub if sub in known else base)
+        # Importing `a.b.c` first runs `a/__init__` and `a/b/__init__`,
+        # unless they are this module's own packages (already running).
+        own = _packages(name if is_package else name.rpartition(".")[0])
+        edges |= {p for e in set(edges) for p in _packages(e)} - own
         graph[name] = {e for e in edges if e in known and e != name}
     return graph
+
+
+def _packages(name):
+    """`name` and the packages that hold it: a.b.c -> {a, a.b, a.b.c}."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def _cycle(graph):
@@ -150,6 +166,71 @@ def _cycle(graph):
 def test_no_import_cycles_inside_the_package():
     graph = _imports()
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_check_follows_package_inits(tmp_path, monkeypatch):
+    # The loop the sharded variables once had: a module imports a patch,
+    # the patches' __init__ imports another patch, which imports it back.
+    root = tmp_path / "keras_replicator"
+    files = {
+        "__init__.py": "",
+        "_src/__init__.py": "",
+        "_src/sharding/__init__.py": "",
+        "_src/sharding/sharded.py": (
+            "from keras_replicator._src.patches import replica_mean\n"
+        ),
+        "_src/patches/__init__.py": (
+            "from keras_replicator._src.patches import sharded_variables\n"
+        ),
+        "_src/patches/replica_mean.py": "",
+        "_src/patches/sharded_variables.py": (
+            "from keras_replicator._src.sharding import sharded\n"
+        ),
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.setitem(globals(), "PACKAGE", root)
+    cycle = _cycle(_imports())
+    assert cycle is not None
+    assert "keras_replicator._src.patches" in cycle
+
+
+def _folder(module):
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else None
+
+
+def _folder_edges():
+    edges = set()
+    for module, targets in _imports().items():
+        for target in targets:
+            pair = (_folder(module), _folder(target))
+            if None not in pair and pair[0] != pair[1]:
+                edges.add(pair)
+    return edges
+
+
+# The one pair left: the command line and the launcher start replicators
+# (`kr.auto()` for `env`, parameter servers for `launch`), and replicators
+# read cluster specs. Both directions are imports inside functions of the
+# command's own modules; no other pair may join it.
+KNOWN_MUTUAL = [("cluster", "replicators")]
+
+
+def test_no_two_folders_import_each_other():
+    edges = _folder_edges()
+    mutual = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+    assert mutual == KNOWN_MUTUAL, f"folders that import each other: {mutual}"
+
+
+def test_sharding_sits_below_patches_replicators_and_the_front_door():
+    upward = sorted(
+        (a, b)
+        for a, b in _folder_edges()
+        if a == "sharding" and b in ("patches", "replicators", "distribution")
+    )
+    assert not upward, upward
 
 
 @pytest.mark.parametrize("name", ["patches", "core", "collectives"])

@@ -1,6 +1,6 @@
 """Per-device memory under ModelParallel: what a device holds, and the numbers.
 
-Sharded variables are created block by block (`distribution/block_draw.py`):
+Sharded variables are created block by block (`sharding/block_draw.py`):
 a Keras random initializer's draw is made in chunks of rows, each cut to
 the blocks at once, so the full value never exists; a constant fill makes
 block-shaped tensors. These tests show the blocks hold one device's numbers
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import keras_replicator as kr
-from keras_replicator._src.distribution import block_draw
-from keras_replicator._src.distribution import sharded
+from keras_replicator._src.sharding import block_draw
+from keras_replicator._src.sharding import sharded
 
 _INITIALIZERS = [
     keras.initializers.RandomUniform(-0.3, 0.7, seed=3),

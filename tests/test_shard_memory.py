@@ -64,5 +64,6 @@ def test_sharded_state_holds_fewer_live_bytes(tmp_path):
     )
     # At the peak the saving must survive the gradients' transient buffers.
     assert (
-        full["tensors_peak_mb"] - sharded["tensors_peak_mb"] >= 0.75 * expected_mb
+        full["tensors_peak_mb"] - sharded["tensors_peak_mb"]
+        >= 0.75 * expected_mb
     ), (full, sharded, expected_mb)

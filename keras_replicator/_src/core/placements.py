@@ -1,8 +1,8 @@
 """Which Keras variables are stored sharded, and how reads resolve: a leaf.
 
 `keras.distribution.ModelParallel` stores a variable its layout map splits
-as one block per device (`distribution/sharded.py`); the variable carries
-its `distribution.layout.Placement` in `ATTR`. Patches ask here, so that
+as one block per device (`sharding/sharded.py`); the variable carries
+its `sharding.layout.Placement` in `ATTR`. Patches ask here, so that
 they need not import the distribution package (which imports replicators).
 
 A read of a sharded variable inside a replica step is its gathered, full

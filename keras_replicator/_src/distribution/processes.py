@@ -70,9 +70,8 @@ class Processes:
 _state: list[Processes] = []
 # The replicator `initialize` made (it started this process's server).
 _replicators: list[Any] = []
-# `cluster -> MultiWorkerReplicator`, registered by `api.enable` (this
-# module sits below the replicators: `sharded.py` imports it, and patches
-# import `sharded.py`).
+# `cluster -> MultiWorkerReplicator`, registered by `api.enable`
+# (`runtime.py`, which makes the replicators, imports this module).
 _factory: Any = None
 
 

@@ -14,7 +14,7 @@ its replicas, exactly as under `with replicator.scope():`.
   as Keras' `Distribution.distribute_dataset` cuts it.
 - `ModelParallel` is the same replicator (every device computes 1/N of the
   batch) plus block storage for the variables its layout map splits
-  (`sharded.py`).
+  (`sharding/sharded.py`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from keras.src.distribution import distribution_lib
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.distribution import processes
-from keras_replicator._src.distribution import sharded
 from keras_replicator._src.replicators import local
 from keras_replicator._src.replicators import multi_worker
+from keras_replicator._src.sharding import sharded
 
 # Distribution -> its replicator. Weak: a distribution dropped by the user
 # lets its replicator go.

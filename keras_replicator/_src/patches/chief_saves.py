@@ -14,7 +14,7 @@ in the same order, and read every value into nothing (`_NoWrites`): they
 join each gather and write no file. The chief's save writes one variable
 at a time, as Keras does, so no process holds the whole model. A file the
 chief alone saves (`if chief: model.save_weights(...)`) still needs the
-others for its gathers: `distribution/sharded.py` says so within the
+others for its gathers: `sharding/sharded.py` says so within the
 collective timeout instead of waiting forever.
 """
 

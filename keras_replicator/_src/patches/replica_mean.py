@@ -99,15 +99,11 @@ from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.ops import nn as tf_nn
 from tensorflow.python.ops import nn_impl_distribute
 
-from keras_replicator._src import collectives
+from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import replica_step
-from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
 from keras_replicator._src.patches import shard_state
-
-KINDS = frozenset({"local", "multi_worker"})
-_ONE_DEVICE_APIS = (replica_step.KERAS, replica_step.REPLICATOR)
 
 _logger = logging.getLogger("keras_replicator")
 _SUMMED_MESSAGE = (
@@ -127,43 +123,9 @@ _SUMMED_MESSAGE = (
 _told: set[str] = set()
 
 _lock = threading.Lock()
-# id(optimizer) -> how many calls in flight gave it averaged gradients:
-# its own cross-replica sum is off.
-_sum_off: dict[int, int] = {}
-# id(optimizer) -> how many outer optimizers in flight averaged for it: its
-# `apply` must not average again.
-_fed: dict[int, int] = {}
 # `no_merge`: depth of leaf `apply` calls on this thread that update each
 # replica's copies in replica context.
 _local = threading.local()
-
-
-def is_ours(strategy=None) -> bool:
-    """True under `LocalReplicator` and `MultiWorkerReplicator`."""
-    if strategy is None:
-        strategy = tf.distribute.get_strategy()
-    return traits.kind(strategy) in KINDS
-
-
-def gradient_reduction(strategy) -> str:
-    """The replicator's override: `"auto"`, `"mean"` or `"sum"`."""
-    return getattr(strategy, "gradient_reduction", "auto")
-
-
-def one_device_convention(step=None, strategy=None) -> bool:
-    """Whether losses in the running step are replicas' own means.
-
-    True in Keras steps and `replicate` steps, and everywhere under
-    `gradient_reduction="mean"`; False in the user's own `strategy.run`
-    (or a `tf.function` given to it), and everywhere under
-    `gradient_reduction="sum"`.
-    """
-    strategy = strategy or tf.distribute.get_strategy()
-    reduction = gradient_reduction(strategy)
-    if reduction != "auto":
-        return reduction == "mean"
-    step = step or replica_step.current()
-    return step is not None and step.api in _ONE_DEVICE_APIS
 
 
 def _active_step():
@@ -172,7 +134,7 @@ def _active_step():
     if step is None:
         return None
     strategy = tf.distribute.get_strategy()
-    if not is_ours(strategy) or strategy.num_replicas_in_sync == 1:
+    if not gradients.is_ours(strategy) or strategy.num_replicas_in_sync == 1:
         return None
     return step
 
@@ -182,7 +144,7 @@ def _scale(original, value):
     if step is None:
         return original(value)
     if _called_by_keras():
-        if one_device_convention(step):
+        if gradients.one_device_convention(step):
             return value
         step.shares = True
         return original(value)
@@ -192,7 +154,7 @@ def _scale(original, value):
 
 def _unscale(original, value):
     step = _active_step()
-    if step is not None and one_device_convention(step):
+    if step is not None and gradients.one_device_convention(step):
         return value
     return original(value)
 
@@ -217,7 +179,7 @@ def _share(step, value):
     (`reduce="sum"` of it is the global loss, as in tf.distribute).
     """
     step.shares = True
-    if not one_device_convention(step):
+    if not gradients.one_device_convention(step):
         return value
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     if step.api == replica_step.KERAS:
@@ -247,178 +209,6 @@ def _called_by_keras() -> bool:
     return False
 
 
-def mean_gradients(
-    grads, ctx=None, wire_dtype=None, options=None, bucket_bytes=None
-):
-    """Averages `grads` over all replicas, weighted by example counts.
-
-    Call it in a replica context. One packed all-reduce per dtype (or per
-    bucket, with `bucket_bytes`) carries the weighted gradients and the
-    weights. A step that scaled a loss as a
-    share averages its replicas equally (its shares already weigh their
-    examples).
-
-    Args:
-        grads: Gradients (tensors or `IndexedSlices`); None entries are
-            passed through.
-        ctx: The replica context. Defaults to the current one.
-        wire_dtype: If set, floating gradients wider than 16 bits travel in
-            this dtype and are cast back.
-        options: Optional `tf.distribute.experimental.CommunicationOptions`.
-        bucket_bytes: If set, `collectives.all_reduce`'s buckets instead of
-            one pack per dtype.
-
-    Returns:
-        The averaged gradients, in the order and dtypes of `grads`.
-    """
-    ctx = ctx or tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
-    if replicas == 1:
-        return list(grads)
-    step = replica_step.current()
-    count = None if step is None or step.shares else step.count
-    if count is None or isinstance(count, int):
-        # Every replica has the same number of examples (or none is known):
-        # the plain mean, one multiplication per gradient.
-        return _scaled_sum(
-            grads, ctx, 1.0 / replicas, wire_dtype, options, bucket_bytes
-        )
-    # weight = count / replicas: the common factor keeps the sums as small
-    # as the stock ones. The weights travel in the gradients' pack.
-    weight = count * (1.0 / replicas)
-    sent = [_to_wire(_times(g, weight), wire_dtype) for g in grads]
-    reduced = collectives.all_reduce(
-        ctx, "sum", [*sent, weight], options, bucket_bytes
-    )
-    inverse = tf.math.reciprocal_no_nan(reduced.pop())
-    return [
-        None if r is None else _times(_cast(r, g.dtype), inverse)
-        for r, g in zip(reduced, grads, strict=True)
-    ]
-
-
-def wrapped_gradients(grads, ctx, wire_dtype=None, options=None):
-    """Combines `grads` for `ReplicatedOptimizer`: averaged or summed.
-
-    `wrap_optimizer` promises one device's numbers for a replica's mean
-    loss: the average. It sums when the step's losses are shares: in the
-    user's own `strategy.run` after a scaling helper or a Keras `Loss` (or
-    everywhere under `gradient_reduction="sum"`).
-
-    Args:
-        grads: Gradients; None entries are passed through.
-        ctx: The replica context.
-        wire_dtype: If set, the dtype floating gradients travel in.
-        options: Optional `CommunicationOptions`.
-
-    Returns:
-        The combined gradients, in the order and dtypes of `grads`.
-    """
-    step = replica_step.current()
-    strategy = ctx.strategy
-    summed = gradient_reduction(strategy) == "sum" or (
-        not one_device_convention(step, strategy)
-        and step is not None
-        and step.shares
-    )
-    if summed and ctx.num_replicas_in_sync > 1:
-        return _scaled_sum(grads, ctx, 1.0, wire_dtype, options)
-    return mean_gradients(grads, ctx, wire_dtype, options)
-
-
-def _scaled_sum(grads, ctx, scale, wire_dtype, options, bucket_bytes=None):
-    """The sum over replicas of `grads` times `scale`, packed per dtype."""
-    if scale != 1.0:
-        grads_sent = [_times(g, scale) for g in grads]
-    else:
-        grads_sent = list(grads)
-    sent = [_to_wire(g, wire_dtype) for g in grads_sent]
-    reduced = collectives.all_reduce(ctx, "sum", sent, options, bucket_bytes)
-    return [
-        None if r is None else _cast(r, g.dtype)
-        for r, g in zip(reduced, grads, strict=True)
-    ]
-
-
-def _to_wire(g, wire_dtype):
-    if (
-        g is not None
-        and wire_dtype is not None
-        and g.dtype.is_floating
-        and g.dtype.size > 2
-    ):
-        return _cast(g, wire_dtype)
-    return g
-
-
-def _times(g, factor):
-    if g is None:
-        return None
-    factor = tf.cast(factor, g.dtype)
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
-    return g * factor
-
-
-def _cast(g, dtype):
-    if g.dtype == dtype:
-        return g
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.cast(g.values, dtype), g.indices, g.dense_shape
-        )
-    return tf.cast(g, dtype)
-
-
-def _chain(optimizer):
-    """`optimizer` and the optimizers it wraps (`inner_optimizer`)."""
-    found = []
-    while optimizer is not None and optimizer not in found:
-        found.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return found
-
-
-def _enter(table, optimizers):
-    with _lock:
-        for opt in optimizers:
-            table[id(opt)] = table.get(id(opt), 0) + 1
-
-
-def _exit(table, optimizers):
-    with _lock:
-        for opt in optimizers:
-            left = table[id(opt)] - 1
-            if left:
-                table[id(opt)] = left
-            else:
-                del table[id(opt)]
-
-
-@contextlib.contextmanager
-def receiving_reduced(optimizer):
-    """While open, `optimizer`'s inner optimizers get averaged gradients.
-
-    For an optimizer that averaged the gradients itself (the patched
-    `apply`, `ReplicatedOptimizer`): its own and its inner optimizers'
-    cross-replica sums are off, and the inner ones do not average again.
-
-    Args:
-        optimizer: The optimizer whose `apply` averaged the gradients.
-
-    Yields:
-        None.
-    """
-    chain = _chain(optimizer)
-    _enter(_sum_off, chain)
-    _enter(_fed, chain[1:])
-    try:
-        yield
-    finally:
-        _exit(_fed, chain[1:])
-        _exit(_sum_off, chain)
-
-
 @contextlib.contextmanager
 def _replica_local_updates(optimizer):
     """Updates in replica context, no `merge_call`, for a leaf optimizer.
@@ -441,14 +231,12 @@ def _apply(original, self, grads, trainable_variables=None):
     ctx = tf.distribute.get_replica_context()
     if (
         ctx is None
-        or not is_ours(ctx.strategy)
+        or not gradients.is_ours(ctx.strategy)
         or ctx.num_replicas_in_sync == 1
     ):
         shard_state.check_stock_apply(self)
         return original(self, grads, trainable_variables)
-    with _lock:
-        fed = id(self) in _fed
-    if fed:
+    if gradients.is_fed(self):
         shard_state.check_stock_apply(self)
         with _replica_local_updates(self), placements.local_reads():
             return original(self, grads, trainable_variables)
@@ -457,26 +245,29 @@ def _apply(original, self, grads, trainable_variables=None):
     if any(blocks):
         # ModelParallel's sharded variables: their gradients were averaged
         # and cut to this replica's block where they were read
-        # (`distribution/sharded.py`).
+        # (`sharding/sharded.py`).
         return _apply_with_blocks(
             original, self, grads, trainable_variables, blocks, step, ctx
         )
-    if not one_device_convention(step, ctx.strategy):
+    if not gradients.one_device_convention(step, ctx.strategy):
         # tf.distribute's convention: stock Keras, which sums (rule 2).
         _tell_summed(self, step, ctx)
         shard_state.check_stock_apply(self)
         if _stock_fails_in_graph(self):
             # Stock would `merge_call` inside a `tf.cond` and fail: the
             # same sum of the shares, once, before the update.
-            grads = _scaled_sum(list(grads), ctx, 1.0, None, None)
-            with receiving_reduced(self), _replica_local_updates(self):
-                return original(self, grads, trainable_variables)
+            grads = gradients.scaled_sum(list(grads), ctx, 1.0, None, None)
+            with gradients.receiving_reduced(self):
+                with _replica_local_updates(self):
+                    return original(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
     sharded = shard_state.is_sharded(self)
     # Sharded state saves memory: its large gradients are not packed.
     bucket_bytes = shard_state.BUCKET_BYTES if sharded else None
-    grads = mean_gradients(list(grads), ctx, bucket_bytes=bucket_bytes)
-    with receiving_reduced(self), _replica_local_updates(self):
+    grads = gradients.mean_gradients(
+        list(grads), ctx, bucket_bytes=bucket_bytes
+    )
+    with gradients.receiving_reduced(self), _replica_local_updates(self):
         if sharded:
             # Opt-in ZeRO-1: update this replica's slice, gather weights.
             return shard_state.apply(original, self, grads, trainable_variables)
@@ -494,8 +285,8 @@ def _apply_with_blocks(
     original, optimizer, grads, trainable_variables, blocks, step, ctx
 ):
     """Averages the replicated variables' gradients only; updates blocks."""
-    if not one_device_convention(step, ctx.strategy) or (
-        gradient_reduction(ctx.strategy) == "sum"
+    if not gradients.one_device_convention(step, ctx.strategy) or (
+        gradients.gradient_reduction(ctx.strategy) == "sum"
     ):
         raise NotImplementedError(
             "A model with variables sharded by `keras.distribution."
@@ -528,11 +319,11 @@ def _apply_with_blocks(
             f"Received: {len(grads)} gradients"
         )
     replicated = [i for i, b in enumerate(blocks) if not b]
-    averaged = mean_gradients([grads[i] for i in replicated], ctx)
+    averaged = gradients.mean_gradients([grads[i] for i in replicated], ctx)
     for i, g in zip(replicated, averaged, strict=True):
         grads[i] = g
-    with receiving_reduced(optimizer), _replica_local_updates(optimizer):
-        with placements.local_reads():
+    with gradients.receiving_reduced(optimizer):
+        with _replica_local_updates(optimizer), placements.local_reads():
             return original(optimizer, grads, trainable_variables)
 
 
@@ -558,7 +349,7 @@ def _tell_summed(optimizer, step, ctx):
     optimizer that a `LossScaleOptimizer` applies in a `merge_call` has
     none, and its wrapper already spoke for the step.
     """
-    if gradient_reduction(ctx.strategy) != "auto":
+    if gradients.gradient_reduction(ctx.strategy) != "auto":
         return
     if step is None or step.api != replica_step.TF_DISTRIBUTE or step.shares:
         return
@@ -571,9 +362,7 @@ def _tell_summed(optimizer, step, ctx):
 
 
 def _all_reduce_sum_gradients(original, self, grads_and_vars):
-    with _lock:
-        off = id(self) in _sum_off
-    if off:
+    if gradients.sum_is_off(self):
         return list(grads_and_vars)
     return original(self, grads_and_vars)
 
@@ -673,7 +462,7 @@ PATCH = registry.register(
                 for name in _HELPERS
             ),
         ),
-        applies_to=KINDS,
+        applies_to=gradients.KINDS,
         pins=tuple(
             registry.Pin(module, lines)
             for module, lines in _KERAS_SOURCE_LINES.items()

@@ -7,7 +7,7 @@ the replicator of a `ModelParallel` distribution (`distribution/runtime.py`):
 
 - `Variable._initialize` asks `distribution.get_variable_layout(variable)`
   (as JAX does); a layout that splits a dimension makes block storage
-  (`distribution/sharded.py`) and gives the variable that layout, so the
+  (`sharding/sharded.py`) and gives the variable that layout, so the
   optimizer slots Keras makes from it (`add_variable_from_reference` passes
   `layout=reference._layout`) are split the same way. (Keras 3.10 to
   3.14 drop that `layout`: there `Variable.__init__` keeps it.)
@@ -45,9 +45,9 @@ from keras.src.optimizers import base_optimizer
 from keras_replicator._src import collectives
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import versions
-from keras_replicator._src.distribution import block_draw
-from keras_replicator._src.distribution import sharded
 from keras_replicator._src.patches import registry
+from keras_replicator._src.sharding import block_draw
+from keras_replicator._src.sharding import sharded
 
 KINDS = frozenset({"local", "multi_worker"})
 
@@ -81,7 +81,7 @@ def _initialize(original, self, value):
 
 def _initialize_with_initializer(original, self, initializer):
     # The initializer itself, so that a sharded variable can draw its
-    # blocks without the full value (`distribution/block_draw.py`).
+    # blocks without the full value (`sharding/block_draw.py`).
     with block_draw.initializer_of(initializer):
         return original(self, initializer)
 

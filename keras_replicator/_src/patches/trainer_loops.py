@@ -18,7 +18,7 @@ Several behaviours need these entry points, and one patch owns them:
   blocks refuses `jit_compile=True` (`NotImplementedError`): XLA on a
   replica cannot hold the all-gathers that read those variables. Keras'
   own `"auto"` resolves to False under tf.distribute. Its layers that own
-  such variables are rematerialised for `fit` (`distribution/remat.py`).
+  such variables are rematerialised for `fit` (`sharding/remat.py`).
 
 Everything else, including every model under no strategy or a stock
 `tf.distribute` strategy, runs Keras' stock method unchanged.
@@ -32,10 +32,10 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
-from keras_replicator._src.distribution import remat
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
+from keras_replicator._src.sharding import remat
 from keras_replicator._src.training import hang_watchdog
 
 

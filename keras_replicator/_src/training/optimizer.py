@@ -1,11 +1,12 @@
 """`replicator.wrap_optimizer`: average gradients over every replica once.
 
 Under our replicators every Keras optimizer already averages gradients once
-(`patches/replica_mean.py`). `ReplicatedOptimizer` takes gradient
-aggregation over from the optimizer it wraps to add what plain optimizers do
-not have: packs of a chosen size, compression to 16 bits, and accumulation
-of micro-batches with a single all-reduce per update. It switches the inner
-optimizer's own reduction off, so gradients are reduced exactly once.
+(the rule of `gradients.py`, applied by `patches/replica_mean.py`).
+`ReplicatedOptimizer` takes gradient aggregation over from the optimizer it
+wraps to add what plain optimizers do not have: packs of a chosen size,
+compression to 16 bits, and accumulation of micro-batches with a single
+all-reduce per update. It switches the inner optimizer's own reduction off,
+so gradients are reduced exactly once.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import keras
 import tensorflow as tf
 
 from keras_replicator._src import collectives
+from keras_replicator._src import gradients
 from keras_replicator._src.core import validation
-from keras_replicator._src.patches import replica_mean
 
 COMPRESSIONS = {None: None, "bf16": tf.bfloat16, "fp16": tf.float16}
 # Gradients are packed into all-reduces of about this size: large enough that
@@ -207,7 +208,7 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_and_apply(self, grads, trainable_variables):
         ctx = tf.distribute.get_replica_context()
-        reduced = replica_mean.wrapped_gradients(
+        reduced = gradients.wrapped_gradients(
             [None if g is None else _to_dense(g) for g in grads],
             ctx,
             wire_dtype=COMPRESSIONS[self.compression],
@@ -215,7 +216,7 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
                 bytes_per_pack=self.bytes_per_pack
             ),
         )
-        with replica_mean.receiving_reduced(self):
+        with gradients.receiving_reduced(self):
             self.inner_optimizer.apply(reduced, trainable_variables)
 
     def _accumulate(self, grads, trainable_variables):

@@ -12,7 +12,7 @@ are named: each of the N devices takes 1/N of the global batch. Inside the
 step a read of a sharded variable is its full value, assembled by one
 all-gather of the blocks (`gathered`); its gradient is the all-reduce of the
 replicas' gradients (averaged as every gradient of the step is, by
-`replica_mean.mean_gradients`) cut back to the replica's block, so the
+`gradients.mean_gradients`) cut back to the replica's block, so the
 optimizer updates the block with the same numbers one device computes for
 those elements. TensorFlow's CPU runtime has no reduce-scatter
 (`CollectiveReduceScatterV2` fails on CPU), so the cut follows a full
@@ -39,11 +39,10 @@ from keras.src.distribution import distribution_lib
 from tensorflow.python.eager import context
 
 from keras_replicator._src import collectives
+from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
-from keras_replicator._src.distribution import block_draw
-from keras_replicator._src.distribution import layout as layout_lib
-from keras_replicator._src.distribution import processes
-from keras_replicator._src.patches import replica_mean
+from keras_replicator._src.sharding import block_draw
+from keras_replicator._src.sharding import layout as layout_lib
 
 
 def sharding_strategy(variable: Any, shape) -> tuple[Any, Any, Any]:
@@ -137,7 +136,7 @@ def _local_replicas(strategy) -> list[int]:
     return list(range(first, first + count))
 
 
-def _multi_process(strategy) -> bool:
+def multi_process(strategy) -> bool:
     return len(strategy.extended.worker_devices) < (
         strategy.num_replicas_in_sync
     )
@@ -167,7 +166,7 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
         )
 
         def grad(upstream):
-            (reduced,) = replica_mean.mean_gradients([upstream], ctx)
+            (reduced,) = gradients.mean_gradients([upstream], ctx)
             if isinstance(reduced, tf.IndexedSlices):
                 return _sparse_block(reduced, placement, replica)
             return placement.block(reduced, replica)
@@ -204,7 +203,7 @@ def full_value(variable: Any) -> tf.Tensor:
     """The full value of a sharded variable, outside a replica step."""
     placement = placements.of(variable)
     strategy = variable._value.distribute_strategy
-    if _multi_process(strategy):
+    if multi_process(strategy):
         _all_processes_here(strategy, variable.path)
         return _gather_blocks(strategy, variable._value, placement)
     blocks = [tf.convert_to_tensor(c) for c in variable._value.values]
@@ -325,62 +324,6 @@ def short_device_name(name: str) -> str:
     if spec.job not in (None, "localhost"):
         return f"/job:{spec.job}/task:{spec.task or 0}/{short}"
     return short
-
-
-def shard_shapes(variable: Any) -> dict[str, tuple[int, ...]]:
-    """Where a variable lives: `{device name: the shape stored there}`.
-
-    The TensorFlow counterpart of JAX's `variable.value.sharding`. Under
-    `keras.distribution.ModelParallel`, a variable its layout map splits
-    shows its block's shape on every device of the mesh; a replicated one
-    (`DataParallel`, a plain replicator, or a variable no layout names)
-    shows its full shape on every device that holds a copy. Device names
-    are `keras.distribution.list_devices()`'s (`"cpu:0"`, `"gpu:1"`).
-
-    Example:
-    ```python
-    mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"))
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["d1/kernel"] = (None, "model")
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map))
-    layer = keras.layers.Dense(8, name="d1")
-    layer.build((None, 16))
-    kr.shard_shapes(layer.kernel)  # {"cpu:0": (16, 2), ..., "cpu:3": (16, 2)}
-    ```
-
-    Args:
-        variable: A `keras.Variable` (or a `tf.Variable`).
-
-    Returns:
-        A dict from device name to the local shape, in device order.
-
-    Raises:
-        TypeError: If `variable` is not a variable.
-    """
-    placement = placements.of(variable)
-    if placement is not None:
-        return {
-            short_device_name(d): placement.local_shape
-            for d in placement.devices
-        }
-    inner = getattr(variable, "_value", variable)
-    if not isinstance(inner, tf.Variable):
-        raise TypeError(
-            "`shard_shapes` takes a `keras.Variable` or `tf.Variable`. "
-            f"Received: variable={variable!r} of type {type(variable)}"
-        )
-    components = getattr(inner, "values", None) or (inner,)
-    strategy = getattr(inner, "distribute_strategy", None)
-    joined = processes.current()
-    if joined is not None and strategy and _multi_process(strategy):
-        # A copy on every replica of every process; this one holds its own.
-        shape = tuple(int(d) for d in inner.shape)
-        return {d: shape for d in joined.devices()}
-    return {
-        short_device_name(c.device): tuple(int(d) for d in c.shape)
-        for c in components
-    }
 
 
 def block_numpy(variable: Any, replica: int) -> np.ndarray:
