@@ -49,6 +49,12 @@ else:
         MultiWorkerReplicator,
     )
     from keras_replicator._src.replicators.tpu import TpuReplicator
+    from keras_replicator._src.sharding.checkpoint import (
+        load as load_checkpoint,
+    )
+    from keras_replicator._src.sharding.checkpoint import (
+        save as save_checkpoint,
+    )
     from keras_replicator._src.training.optimizer import ReplicatedOptimizer
 
     # Imported before TensorFlow's first op, split the CPU into logical
@@ -80,7 +86,9 @@ __all__ = (
     "data",
     "launch",
     "layers",
+    "load_checkpoint",
     "num_replicas",
     "replica_id",
+    "save_checkpoint",
     "shard_shapes",
 )

@@ -100,7 +100,7 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
             f"running it {strategy.num_replicas_in_sync} replicas. "
             f"Received: variable path={variable.path!r}"
         )
-    replicas = _local_replicas(strategy)
+    replicas = local_replicas(strategy)
     with tf.init_scope():
         # Only this process's blocks. A random initializer's draw is made
         # block by block; any other value exists whole for this variable
@@ -129,7 +129,7 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
     return stored
 
 
-def _local_replicas(strategy) -> list[int]:
+def local_replicas(strategy) -> list[int]:
     """The global replica ids of this process's replicas, in order."""
     count = len(strategy.extended.worker_devices)
     first = getattr(strategy.extended, "_id_in_cluster", 0) * count
@@ -294,12 +294,7 @@ def assign(variable: Any, value: Any):
     if not in_step and is_file_array(value):
         # A value read from a file (`load_weights`, `from_preset`): only
         # this process's blocks become tensors, never the full value.
-        dtype = variable._value.dtype.as_numpy_dtype
-        for r, component in zip(
-            _local_replicas(strategy), variable._value.values, strict=True
-        ):
-            block = placement.block(value, r)
-            component.assign(np.ascontiguousarray(block, dtype=dtype))
+        assign_blocks(variable, lambda r: placement.block(value, r))
         return value
     value = tf.convert_to_tensor(value, dtype=variable._value.dtype)
     if in_step:
@@ -311,10 +306,29 @@ def assign(variable: Any, value: Any):
         component.assign(value)
         return value
     for r, component in zip(
-        _local_replicas(strategy), variable._value.values, strict=True
+        local_replicas(strategy), variable._value.values, strict=True
     ):
         component.assign(placement.block(value, r))
     return value
+
+
+def assign_blocks(variable: Any, block_of) -> None:
+    """Assigns each of this process's components `block_of(replica)`.
+
+    Outside a replica step. Only this process's blocks are read, one at a
+    time: the full value never exists.
+
+    Args:
+        variable: A sharded variable.
+        block_of: `replica -> array` of the block's shape (a global
+            replica id, as `layout.Placement.begin` takes).
+    """
+    inner = variable._value
+    dtype = inner.dtype.as_numpy_dtype
+    for r, component in zip(
+        local_replicas(inner.distribute_strategy), inner.values, strict=True
+    ):
+        component.assign(np.ascontiguousarray(block_of(r), dtype=dtype))
 
 
 def short_device_name(name: str) -> str:

@@ -1,0 +1,592 @@
+"""Sharded checkpoints: every process writes its own blocks; any mesh reads.
+
+A checkpoint is a directory:
+
+```
+directory/
+  index.json            # what every file holds; written last, atomically
+  ckpt-<step>/
+    process-<k>.bin     # process k's blocks, raw bytes in C order
+    process-<k>.json    # process k's part of the index
+```
+
+- **Saving** gathers nothing. Under `ModelParallel` a process writes the
+  blocks its replicas hold, each distinct block once (the lowest replica
+  that holds a block writes it). A replicated variable (`DataParallel`, a
+  plain replicator, a variable no layout splits, optimizer counters) is
+  written once, by process 0. Each block carries a CRC-32.
+- **The index is the commit.** After every process has written and synced
+  its files (a barrier of the coordination service over several
+  processes), process 0 merges the parts into `index.json.tmp` and renames
+  it over `index.json`. A crash or SIGTERM before the rename leaves the
+  previous index, which names only files of a complete checkpoint; the
+  previous checkpoint's files are removed only after the rename.
+- **Asynchronous saves.** `save` copies this process's blocks to host
+  memory and returns; a background thread writes the files and the index.
+  The next `save` (or a `load`) first waits for the previous one.
+- **Loading onto any mesh.** A process reads, for each block it now holds,
+  only the saved blocks that intersect it, through memory maps (the pages
+  of the bytes it copies, plus, with `verify=True`, one pass over each
+  touched block for its checksum). The index is checked against the model
+  (every variable present, same shapes and dtypes) before any weight
+  changes. A checkpoint saved on one mesh and process count loads on
+  another, under `DataParallel` and on one device.
+
+Why files of our own rather than `tf.train.Checkpoint` or TensorStore:
+`tf.train.Checkpoint` saves a `MirroredVariable` as its primary component,
+which for a sharded variable is one block (and its per-task sharding writes
+every variable from the task that holds it, not blocks with coordinates);
+TensorStore would be a new dependency for what raw bytes, `numpy.memmap` and
+a JSON index do here. The files assume storage every process sees (a local
+disk on one host, a shared file system across hosts), as PyTorch's
+distributed checkpoint and Orbax do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import threading
+import zlib
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from keras_replicator._src.core import placements
+from keras_replicator._src.sharding import sharded
+
+FORMAT = "keras-replicator-sharded-checkpoint"
+VERSION = 1
+INDEX = "index.json"
+_CRC_CHUNK = 1 << 24  # bytes per checksum update: a bounded transient
+_DEFAULT_TIMEOUT = 600.0
+
+
+class CheckpointSave:
+    """A save in flight: `wait()` blocks until its index is written.
+
+    Returned by `kr.save_checkpoint`. With `asynchronous=False` it is
+    already done.
+
+    Attributes:
+        directory: The checkpoint directory.
+        name: The checkpoint's subdirectory (`"ckpt-<step>"`).
+    """
+
+    def __init__(self, directory, name, thread=None):
+        self.directory = directory
+        self.name = name
+        self._thread = thread
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the files and the index are written (or failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Blocks until the save is complete.
+
+        Raises:
+            The error the background write raised, if any.
+        """
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+# The save in flight in this process (at most one: the next waits).
+_pending: list[CheckpointSave] = []
+_pending_lock = threading.Lock()
+
+
+def wait_for_saves() -> None:
+    """Blocks until this process's save in flight, if any, is complete."""
+    with _pending_lock:
+        pending = list(_pending)
+        _pending.clear()
+    for save_ in pending:
+        save_.wait()
+
+
+def _variables(model, build_optimizer: bool = False) -> dict[str, Any]:
+    """`{key: variable}` for the model's weights and its optimizer's.
+
+    Keys are `"model/<i>"` and `"optimizer/<i>"`, in the order of
+    `model.weights` and `optimizer.variables`: variables match by the
+    model's structure, as in Keras' own weight files, not by paths, which
+    carry auto-numbered names (`sequential_2/...`) that differ between
+    runs. The index records each path for messages.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if build_optimizer and optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    found = {f"model/{i}": v for i, v in enumerate(model.weights)}
+    if optimizer is not None and optimizer.built:
+        found.update(
+            {f"optimizer/{i}": v for i, v in enumerate(optimizer.variables)}
+        )
+    return found
+
+
+def _strategy_of(variables) -> Any:
+    for variable in variables:
+        inner = getattr(variable, "_value", variable)
+        strategy = getattr(inner, "distribute_strategy", None)
+        if strategy is not None:
+            return strategy
+    return None
+
+
+def _process(strategy) -> tuple[int, int]:
+    """(this process's index, the process count) of `strategy`."""
+    if strategy is None or not sharded.multi_process(strategy):
+        return 0, 1
+    local = len(strategy.extended.worker_devices)
+    return (
+        int(getattr(strategy.extended, "_id_in_cluster", 0)),
+        strategy.num_replicas_in_sync // local,
+    )
+
+
+def _first_copy(variable) -> np.ndarray:
+    """This process's first copy of a replicated variable.
+
+    A plain read of one component, so that it works whatever strategy or
+    distribution is current (a model saved after another was built).
+    """
+    inner = getattr(variable, "_value", variable)
+    copies = getattr(inner, "values", None) or (inner,)
+    return copies[0].numpy()
+
+
+def _numpy_dtype(name: str):
+    return tf.as_dtype(name).as_numpy_dtype
+
+
+def _host_blocks(key, variable, process) -> tuple[dict, list]:
+    """This process's part of `variable`: its index entry and host copies.
+
+    Returns:
+        `(entry, blocks)`: `entry` names the dtype, shape and layout;
+        `blocks` lists `(begin, array)` this process writes.
+    """
+    inner = getattr(variable, "_value", variable)
+    dtype = tf.as_dtype(inner.dtype).name
+    shape = [int(d) for d in variable.shape]
+    placement = placements.of(variable)
+    entry = {
+        "path": variable.path,
+        "dtype": dtype,
+        "shape": shape,
+        "layout": None,
+    }
+    blocks = []
+    if placement is None:
+        if process == 0:
+            value = np.array(_first_copy(variable), copy=True)
+            blocks.append(([0] * len(shape), value))
+        return entry, blocks
+    entry["layout"] = [
+        None if a is None else placement.axis_names[a]
+        for a in placement.dim_axes
+    ]
+    entry["mesh_shape"] = list(placement.mesh_shape)
+    strategy = inner.distribute_strategy
+    owners: dict[tuple, int] = {}
+    for r in range(placement.num_devices):
+        owners.setdefault(placement.begin(r), r)
+    for r, component in zip(
+        sharded.local_replicas(strategy), inner.values, strict=True
+    ):
+        begin = placement.begin(r)
+        if owners[begin] == r:
+            blocks.append((list(begin), np.array(component.numpy(), copy=True)))
+    return entry, blocks
+
+
+def _checksum(array) -> int:
+    flat = np.asarray(array, order="C").reshape(-1).view(np.uint8)
+    crc = 0
+    for start in range(0, flat.size, _CRC_CHUNK):
+        crc = zlib.crc32(flat[start : start + _CRC_CHUNK], crc)
+    return crc
+
+
+def _write_part(folder, process, parts) -> None:
+    """Writes `process-<k>.bin` and `process-<k>.json`, synced."""
+    data = folder / f"process-{process}.bin"
+    manifest = {}
+    offset = 0
+    with open(data, "wb") as f:
+        for key, (entry, blocks) in parts.items():
+            written = []
+            for begin, array in blocks:
+                raw = np.asarray(array, order="C")
+                f.write(raw.tobytes(order="C"))
+                written.append(
+                    {
+                        "file": data.name,
+                        "begin": begin,
+                        "shape": list(raw.shape),
+                        "offset": offset,
+                        "nbytes": raw.nbytes,
+                        "crc32": _checksum(raw),
+                    }
+                )
+                offset += raw.nbytes
+            manifest[key] = {**entry, "blocks": written}
+        f.flush()
+        os.fsync(f.fileno())
+    part = folder / f"process-{process}.json"
+    with open(part, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _barrier(name, processes, timeout) -> None:
+    if processes == 1:
+        return
+    try:
+        context.context().wait_at_barrier(
+            f"keras_replicator/checkpoint/{name}", int(timeout * 1000)
+        )
+    except (tf.errors.OpError, RuntimeError) as error:
+        raise RuntimeError(
+            "A sharded checkpoint is written by every process: call "
+            "`save_checkpoint` on every process, at the same point. The "
+            f"other processes did not reach {name!r} within {timeout:g} s."
+        ) from error
+
+
+def _commit(directory, name, processes, metadata) -> None:
+    """Process 0: merges the parts into the index, then drops old saves."""
+    folder = directory / name
+    merged: dict[str, dict] = {}
+    for k in range(processes):
+        with open(folder / f"process-{k}.json") as f:
+            part = json.load(f)
+        for key, entry in part.items():
+            blocks = [
+                {**b, "file": f"{name}/{b['file']}"} for b in entry["blocks"]
+            ]
+            if key in merged:
+                merged[key]["blocks"].extend(blocks)
+            else:
+                merged[key] = {**entry, "blocks": blocks}
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "checkpoint": name,
+        "processes": processes,
+        "metadata": metadata,
+        "variables": merged,
+    }
+    temporary = directory / (INDEX + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump(index, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, directory / INDEX)
+    for old in directory.glob("ckpt-*"):
+        if old.name != name and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(directory, name, process, processes, parts, metadata, timeout):
+    folder = directory / name
+    if process == 0:
+        if folder.exists():
+            # A save that never committed (a crash) left it.
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+    _barrier(f"{name}/folder", processes, timeout)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_part(folder, process, parts)
+    _barrier(f"{name}/written", processes, timeout)
+    if process == 0:
+        _commit(directory, name, processes, metadata)
+    _barrier(f"{name}/indexed", processes, timeout)
+
+
+def _read_index(directory) -> dict | None:
+    try:
+        with open(pathlib.Path(directory) / INDEX) as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        return None
+    if index.get("format") != FORMAT:
+        raise ValueError(
+            f"{directory} is not a keras-replicator sharded checkpoint. "
+            f"Received: format={index.get('format')!r}, expected {FORMAT!r}"
+        )
+    if index.get("version", 0) > VERSION:
+        raise ValueError(
+            f"The checkpoint in {directory} has format version "
+            f"{index['version']}; this keras-replicator reads up to "
+            f"{VERSION}. Received: version={index['version']}"
+        )
+    return index
+
+
+def _name(model, directory, step) -> str:
+    if step is None:
+        optimizer = getattr(model, "optimizer", None)
+        step = (
+            int(_first_copy(optimizer.iterations))
+            if optimizer is not None and optimizer.built
+            else 0
+        )
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(
+            f"`step` must be an integer or None. Received: step={step!r}"
+        )
+    name = f"ckpt-{int(step)}"
+    index = _read_index(directory)
+    if index is not None and index["checkpoint"] == name:
+        # The same step saved again: a new name, so that the committed
+        # files stay until the new index replaces them.
+        name = f"ckpt-{int(step)}-{len(os.listdir(directory))}"
+    return name
+
+
+def save(
+    model,
+    directory,
+    *,
+    step=None,
+    metadata=None,
+    asynchronous=True,
+    timeout_seconds=_DEFAULT_TIMEOUT,
+) -> CheckpointSave:
+    """Saves `model`'s weights and optimizer state as a sharded checkpoint.
+
+    Every process calls it at the same point, with the same directory. See
+    the module docstring for the format. Under `ModelParallel` no sharded
+    variable is gathered: each process writes the blocks it holds.
+
+    Args:
+        model: A Keras model (built).
+        directory: The checkpoint directory (created if missing).
+        step: The step the checkpoint's name carries. Defaults to the
+            optimizer's iteration count (0 before the first step).
+        metadata: A JSON-serialisable dict stored in the index and returned
+            by `load` (a training position, a config). Defaults to `{}`.
+        asynchronous: If True (the default), return once this process's
+            blocks are copied to host memory and write in a background
+            thread; the returned handle's `wait()` blocks until the index
+            is written. If False, return when it is.
+        timeout_seconds: How long a process waits for the others at each
+            stage over several processes, in seconds. Defaults to 600.
+
+    Returns:
+        A `CheckpointSave`.
+
+    Raises:
+        TypeError: If `metadata` is not JSON-serialisable, or `step` is not
+            an integer.
+        ValueError: If two variables share a path.
+    """
+    metadata = {} if metadata is None else metadata
+    try:
+        json.dumps(metadata)
+    except TypeError as error:
+        raise TypeError(
+            "`metadata` must be a JSON-serialisable dict. "
+            f"Received: metadata={metadata!r}"
+        ) from error
+    wait_for_saves()
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    variables = _variables(model)
+    strategy = _strategy_of(variables.values())
+    process, processes = _process(strategy)
+    name = _name(model, directory, step)
+    parts = {
+        key: _host_blocks(key, variable, process)
+        for key, variable in variables.items()
+    }
+    arguments = (directory, name, process, processes, parts, metadata)
+    if not asynchronous:
+        _write(*arguments, timeout_seconds)
+        return CheckpointSave(directory, name)
+    handle = CheckpointSave(directory, name)
+
+    def run():
+        try:
+            _write(*arguments, timeout_seconds)
+        except BaseException as error:  # Re-raised by `wait()`.
+            handle._error = error
+
+    thread = threading.Thread(
+        target=run, name="keras_replicator-checkpoint", daemon=False
+    )
+    handle._thread = thread
+    with _pending_lock:
+        _pending.append(handle)
+    thread.start()
+    return handle
+
+
+class _Reader:
+    """Reads any box of one variable from the blocks that intersect it."""
+
+    def __init__(self, directory, key, entry, verify):
+        self._directory = directory
+        self._key = key
+        self._entry = entry
+        self._dtype = _numpy_dtype(entry["dtype"])
+        self._verify = verify
+        self._checked: set[int] = set()
+
+    def _block(self, i, block):
+        shape = tuple(block["shape"])
+        if block["nbytes"] == 0:
+            return np.zeros(shape, self._dtype)
+        mapped = np.memmap(
+            self._directory / block["file"],
+            dtype=self._dtype,
+            mode="r",
+            offset=block["offset"],
+            shape=shape or (1,),
+        ).reshape(shape)
+        if self._verify and i not in self._checked:
+            if _checksum(mapped) != block["crc32"]:
+                raise ValueError(
+                    "A block of the sharded checkpoint is corrupt (its "
+                    "CRC-32 differs from the index's). Received: variable="
+                    f"{self._key!r}, block begin={block['begin']}, file="
+                    f"{block['file']!r}"
+                )
+            self._checked.add(i)
+        return mapped
+
+    def read(self, begin, shape) -> np.ndarray:
+        out = np.empty(tuple(shape), self._dtype)
+        for i, block in enumerate(self._entry["blocks"]):
+            starts = zip(begin, block["begin"], strict=True)
+            low = [max(a, b) for a, b in starts]
+            high = [
+                min(a + n, b + m)
+                for a, n, b, m in zip(
+                    begin, shape, block["begin"], block["shape"], strict=True
+                )
+            ]
+            if any(lo >= hi for lo, hi in zip(low, high, strict=True)):
+                continue  # This block holds none of the box.
+            source = tuple(
+                slice(lo - b, hi - b)
+                for lo, hi, b in zip(low, high, block["begin"], strict=True)
+            )
+            target = tuple(
+                slice(lo - a, hi - a)
+                for lo, hi, a in zip(low, high, begin, strict=True)
+            )
+            out[target] = self._block(i, block)[source]
+        return out
+
+
+def _problems(variables, index) -> list[str]:
+    saved = index["variables"]
+    problems = []
+    for group in ("model", "optimizer"):
+        ours = [k for k in variables if k.startswith(group + "/")]
+        theirs = [k for k in saved if k.startswith(group + "/")]
+        if ours and len(ours) != len(theirs):
+            problems.append(
+                f"the checkpoint holds {len(theirs)} {group} variables, the "
+                f"model {len(ours)}"
+            )
+    for key, variable in variables.items():
+        entry = saved.get(key)
+        inner = getattr(variable, "_value", variable)
+        dtype = tf.as_dtype(inner.dtype).name
+        shape = [int(d) for d in variable.shape]
+        name = f"{variable.path} ({key})"
+        if entry is None:
+            problems.append(f"{name}: not in the checkpoint")
+        elif entry["shape"] != shape:
+            problems.append(
+                f"{name}: shape {tuple(entry['shape'])} in the checkpoint "
+                f"(as {entry['path']}), {tuple(shape)} in the model"
+            )
+        elif entry["dtype"] != dtype:
+            problems.append(
+                f"{name}: dtype {entry['dtype']} in the checkpoint (as "
+                f"{entry['path']}), {dtype} in the model"
+            )
+        else:
+            covered = sum(int(np.prod(b["shape"])) for b in entry["blocks"])
+            if covered != int(np.prod(shape)):
+                problems.append(
+                    f"{name}: the checkpoint's blocks cover {covered} of "
+                    f"{int(np.prod(shape))} elements"
+                )
+    return problems
+
+
+def load(model, directory, *, verify=True) -> dict:
+    """Loads a sharded checkpoint into `model`, on whatever mesh it has now.
+
+    Every process calls it; each reads only the blocks it holds now. The
+    optimizer is built first if the checkpoint holds optimizer state and it
+    is not. Waits for this process's save in flight first.
+
+    Args:
+        model: A built Keras model: on one device, under a replicator,
+            `DataParallel` or `ModelParallel` on any mesh.
+        directory: A directory `save_checkpoint` wrote.
+        verify: If True (the default), check each block's CRC-32 the first
+            time it is read.
+
+    Returns:
+        The `metadata` dict the checkpoint was saved with.
+
+    Raises:
+        FileNotFoundError: If `directory` holds no committed checkpoint.
+        ValueError: If the checkpoint does not match the model (a missing
+            variable, a shape or dtype), before any weight changes; or a
+            block is corrupt.
+    """
+    wait_for_saves()
+    directory = pathlib.Path(directory)
+    index = _read_index(directory)
+    if index is None:
+        raise FileNotFoundError(
+            f"No sharded checkpoint in {directory} (no {INDEX}: none was "
+            f"saved there, or none completed). Received: directory="
+            f"{str(directory)!r}"
+        )
+    has_optimizer = any(k.startswith("optimizer/") for k in index["variables"])
+    variables = _variables(model, build_optimizer=has_optimizer)
+    if not has_optimizer:
+        variables = {
+            k: v for k, v in variables.items() if k.startswith("model/")
+        }
+    problems = _problems(variables, index)
+    if problems:
+        raise ValueError(
+            "The sharded checkpoint does not match the model; no weight was "
+            f"changed. Received: directory={str(directory)!r}, mismatches:\n  "
+            + "\n  ".join(problems)
+        )
+    for key, variable in variables.items():
+        reader = _Reader(directory, key, index["variables"][key], verify)
+        placement = placements.of(variable)
+        if placement is None:
+            shape = tuple(int(d) for d in variable.shape)
+            variable.assign(reader.read([0] * len(shape), shape))
+            continue
+        sharded.assign_blocks(
+            variable,
+            lambda r, p=placement, rd=reader: rd.read(
+                list(p.begin(r)), p.local_shape
+            ),
+        )
+    return index["metadata"]

@@ -1,0 +1,249 @@
+"""Sharded checkpoints (`kr.save_checkpoint`, `kr.load_checkpoint`).
+
+On this process's 4 CPU replicas: a `ModelParallel` model trained a few
+steps saves without gathering, each distinct block once; the checkpoint
+loads onto another mesh, under `DataParallel` and on one device, with the
+weights and optimizer state it was saved with, and training goes on from
+there as it would have without the round trip. A mismatch is refused
+before any weight changes; a save that fails leaves the previous
+checkpoint; a corrupt block is caught by its checksum. The multi-process
+half (each process writes only its blocks) is in
+`tests/multi_worker/test_checkpoint.py`.
+"""
+
+import json
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+import keras_replicator as kr
+from keras_replicator._src.sharding import checkpoint
+from keras_replicator._src.sharding import sharded
+
+WIDTH = 16
+
+
+@pytest.fixture(autouse=True)
+def no_distribution():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _model_parallel(shape):
+    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*d0/kernel"] = (None, "model")
+    layout_map[".*d1/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = rng.normal(size=(32, 4)).astype("float32")
+    return x, y
+
+
+def _model(width=WIDTH):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(width, activation="relu", name="d0"),
+            keras.layers.Dense(4, name="d1"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def _fit(model, steps=2):
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=steps // 2, shuffle=False, verbose=0)
+
+
+def _state(model):
+    return [np.array(v.numpy()) for v in model.weights] + [
+        np.array(v.numpy()) for v in model.optimizer.variables
+    ]
+
+
+def _assert_same(a, b, atol=0.0):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
+
+
+def _trained_on(distribution, tmp_path, **save_args):
+    keras.distribution.set_distribution(distribution)
+    model = _model()
+    _fit(model)
+    kr.save_checkpoint(model, tmp_path / "ckpt", **save_args).wait()
+    return model
+
+
+def _fresh_on(distribution):
+    keras.distribution.set_distribution(distribution)
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One device: the state after 2 steps and after 2 more."""
+    keras.distribution.set_distribution(None)
+    model = _model()
+    _fit(model)
+    after_two = _state(model)
+    _fit(model)
+    return after_two, _state(model)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["mesh_2x2", "data_parallel", "one_device", "mesh_1x4"],
+)
+def test_a_model_parallel_save_loads_anywhere_and_training_goes_on(
+    tmp_path, reference, target
+):
+    after_two, after_four = reference
+    saved = _trained_on(_model_parallel((1, 4)), tmp_path, metadata={"e": 1})
+    saved_state = _state(saved)
+    _assert_same(saved_state, after_two, atol=1e-6)
+    distribution = {
+        "mesh_2x2": lambda: _model_parallel((2, 2)),
+        "data_parallel": lambda: keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()[:4]
+        ),
+        "one_device": lambda: None,
+        "mesh_1x4": lambda: _model_parallel((1, 4)),
+    }[target]()
+    model = _fresh_on(distribution)
+    metadata = kr.load_checkpoint(model, tmp_path / "ckpt")
+    assert metadata == {"e": 1}
+    _assert_same(_state(model), saved_state)
+    _fit(model)
+    _assert_same(_state(model), after_four, atol=1e-5)
+
+
+def test_saving_gathers_nothing_and_writes_each_block_once(
+    tmp_path, monkeypatch
+):
+    keras.distribution.set_distribution(_model_parallel((2, 2)))
+    model = _model()
+    _fit(model)
+    reads = []
+    original = sharded.full_value
+    monkeypatch.setattr(
+        sharded, "full_value", lambda v: reads.append(v) or original(v)
+    )
+    kr.save_checkpoint(model, tmp_path / "ckpt").wait()
+    assert reads == []
+    index = json.loads((tmp_path / "ckpt/index.json").read_text())
+    assert index["checkpoint"] == "ckpt-2"
+    kernel = index["variables"]["model/0"]
+    assert kernel["path"] == model.weights[0].path
+    assert kernel["layout"] == [None, "model"]
+    # A (2, 2) mesh holds each column block twice; the file holds it once.
+    assert sorted(b["begin"] for b in kernel["blocks"]) == [[0, 0], [0, 8]]
+    assert all(b["shape"] == [8, 8] for b in kernel["blocks"])
+    every = [*model.weights, *model.optimizer.variables]
+    total = sum(int(np.prod(v.shape)) * 4 for v in every if v.dtype != "int64")
+    total += sum(8 for v in every if v.dtype == "int64")
+    files = list((tmp_path / "ckpt").glob("ckpt-2/process-*.bin"))
+    assert [f.name for f in files] == ["process-0.bin"]
+    assert files[0].stat().st_size == total
+
+
+def test_a_mismatch_is_refused_before_any_weight_changes(tmp_path):
+    _trained_on(_model_parallel((1, 4)), tmp_path)
+    keras.distribution.set_distribution(_model_parallel((1, 4)))
+    model = _model(width=2 * WIDTH)
+    before = [np.array(v.numpy()) for v in model.weights]
+    with pytest.raises(ValueError, match="no weight was changed") as error:
+        kr.load_checkpoint(model, tmp_path / "ckpt")
+    assert "d0/kernel (model/0): shape (8, 16) in the checkpoint" in str(
+        error.value
+    )
+    _assert_same([np.array(v.numpy()) for v in model.weights], before)
+
+
+def test_loading_an_empty_directory_names_it(tmp_path):
+    model = _model()
+    with pytest.raises(FileNotFoundError, match="No sharded checkpoint"):
+        kr.load_checkpoint(model, tmp_path)
+
+
+def test_a_save_that_fails_leaves_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
+    saved = _trained_on(_model_parallel((1, 4)), tmp_path)
+    expected = _state(saved)
+    _fit(saved)
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "_commit", crash)
+    handle = kr.save_checkpoint(saved, tmp_path / "ckpt")
+    with pytest.raises(OSError, match="disk full"):
+        handle.wait()
+    monkeypatch.undo()
+    index = json.loads((tmp_path / "ckpt/index.json").read_text())
+    assert index["checkpoint"] == "ckpt-2"
+    model = _fresh_on(_model_parallel((1, 4)))
+    kr.load_checkpoint(model, tmp_path / "ckpt")
+    _assert_same(_state(model), expected)
+    # The next save replaces the leftover and the old checkpoint.
+    kr.save_checkpoint(saved, tmp_path / "ckpt").wait()
+    folders = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*"))
+    assert folders == ["ckpt-4"]
+
+
+def test_a_save_returns_before_its_files_are_written(tmp_path, monkeypatch):
+    keras.distribution.set_distribution(_model_parallel((1, 4)))
+    model = _model()
+    _fit(model)
+    release = threading.Event()
+    original = checkpoint._write_part
+
+    def slow(*args):
+        assert release.wait(60)
+        original(*args)
+
+    monkeypatch.setattr(checkpoint, "_write_part", slow)
+    handle = kr.save_checkpoint(model, tmp_path / "ckpt")
+    # The blocks are host copies: training on does not change the save.
+    expected = _state(model)
+    _fit(model)
+    assert not handle.done()
+    assert not (tmp_path / "ckpt/index.json").exists()
+    release.set()
+    handle.wait()
+    fresh = _fresh_on(_model_parallel((1, 4)))
+    kr.load_checkpoint(fresh, tmp_path / "ckpt")
+    _assert_same(_state(fresh), expected)
+
+
+def test_a_corrupt_block_is_caught_by_its_checksum(tmp_path):
+    _trained_on(_model_parallel((1, 4)), tmp_path)
+    data = next((tmp_path / "ckpt").glob("ckpt-*/process-0.bin"))
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    model = _fresh_on(_model_parallel((1, 4)))
+    with pytest.raises(ValueError, match="corrupt"):
+        kr.load_checkpoint(model, tmp_path / "ckpt")
+
+
+def test_bad_arguments_name_the_value(tmp_path):
+    model = _model()
+    with pytest.raises(TypeError, match="Received: metadata="):
+        kr.save_checkpoint(model, tmp_path, metadata={"x": object()})
+    with pytest.raises(TypeError, match="Received: step="):
+        kr.save_checkpoint(model, tmp_path, step="last")
