@@ -1,0 +1,151 @@
+"""Sharded checkpoints over 2 processes (one device each).
+
+Every process calls `kr.save_checkpoint` with the same directory. Each
+writes only the blocks it holds (process 1 writes no replicated variable),
+and the checkpoint loads back in both processes on the same mesh, and here
+(one process, 4 CPU devices) on one device, under `DataParallel` and on a
+2x2 mesh, with the trained weights and optimizer state.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import keras_replicator as kr
+from tests.multi_worker import harness
+
+WORKER = """
+import os, sys
+import keras, numpy as np, tensorflow as tf
+import keras_replicator as kr
+from tests.multi_worker import harness
+
+out = sys.argv[1]
+keras.distribution.initialize()
+devices = keras.distribution.list_devices()
+mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices)
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map[".*kernel"] = (None, "model")
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map,
+                                     batch_dim_name="batch"))
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)),
+                              keras.layers.Dense(8, name="h"),
+                              keras.layers.Dense(4, name="o")])
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def state(model):
+    # Every process reads (a sharded read gathers).
+    return [v.numpy().tolist()
+            for v in [*model.weights, *model.optimizer.variables]]
+
+
+model = build()
+x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
+data = tf.data.Dataset.from_tensor_slices((x, x[:, :4])).batch(8)
+model.fit(data, epochs=1, verbose=0)
+ckpt = os.path.join(out, "ckpt")
+kr.save_checkpoint(model, ckpt, metadata={"epoch": 1}).wait()
+trained = state(model)
+fresh = build()
+metadata = kr.load_checkpoint(fresh, ckpt)
+harness.write_result({"trained": trained, "loaded": state(fresh),
+                      "metadata": metadata})
+"""
+
+
+def _build():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, name="h"),
+            keras.layers.Dense(4, name="o"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def _mesh(shape):
+    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
+    layout_map = keras.distribution.LayoutMap(
+        keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+    )
+    layout_map[".*kernel"] = (None, "model")
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(420)
+def test_each_process_writes_its_blocks_and_any_mesh_loads_them(tmp_path):
+    results = harness.run_workers(
+        WORKER,
+        num_workers=2,
+        replicas_per_worker=1,
+        timeout=300,
+        args=[str(tmp_path)],
+    )
+    chief, other = (r.result for r in results)
+    trained = [np.asarray(w) for w in chief["trained"]]
+    for report in (chief, other):
+        assert report["metadata"] == {"epoch": 1}
+        for a, b in zip(trained, report["trained"], strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+        for a, b in zip(trained, report["loaded"], strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+
+    index = json.loads((tmp_path / "ckpt/index.json").read_text())
+    assert index["processes"] == 2
+    files = {}
+    for key, entry in index["variables"].items():
+        for block in entry["blocks"]:
+            files.setdefault(block["file"].split("/")[-1], []).append(
+                (key, entry["path"], block)
+            )
+        if entry["layout"] is None:
+            # Replicated: once, by process 0.
+            assert [b["file"][-13:] for b in entry["blocks"]] == [
+                "process-0.bin"
+            ], key
+        else:
+            # Each process wrote the half it holds.
+            owners = {b["file"][-13:]: b["begin"][-1] for b in entry["blocks"]}
+            half = entry["shape"][-1] // 2
+            assert owners == {"process-0.bin": 0, "process-1.bin": half}
+    # Process 1's file holds its blocks and nothing else: the halves of
+    # the 2 kernels and of their 2 Adam slots each.
+    folder = tmp_path / "ckpt" / index["checkpoint"]
+    assert (folder / "process-1.bin").stat().st_size == 3 * (24 + 16) * 4
+    assert all(
+        path.endswith("kernel") or "kernel" in path
+        for _, path, _ in (files["process-1.bin"])
+    )
+
+    devices = keras.distribution.list_devices()
+    for distribution in (
+        None,
+        keras.distribution.DataParallel(devices=devices[:4]),
+        _mesh((2, 2)),
+    ):
+        keras.distribution.set_distribution(distribution)
+        try:
+            model = _build()
+            assert kr.load_checkpoint(model, tmp_path / "ckpt") == {"epoch": 1}
+            loaded = [
+                v.numpy() for v in [*model.weights, *model.optimizer.variables]
+            ]
+        finally:
+            keras.distribution.set_distribution(None)
+        for a, b in zip(trained, loaded, strict=True):
+            np.testing.assert_array_equal(a, b)
