@@ -12,7 +12,12 @@ half (each process writes only its blocks) is in
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import keras
 import numpy as np
@@ -173,6 +178,48 @@ def test_a_mismatch_is_refused_before_any_weight_changes(tmp_path):
     _assert_same([np.array(v.numpy()) for v in model.weights], before)
 
 
+class _Scale(keras.layers.Layer):
+    def __init__(self, weight_name, **kwargs):
+        super().__init__(**kwargs)
+        self.weight_name = weight_name
+
+    def build(self, input_shape):
+        self.w = self.add_weight(
+            shape=(input_shape[-1],), name=self.weight_name
+        )
+
+    def call(self, x):
+        return x * self.w
+
+
+def test_a_renamed_variable_is_refused(tmp_path):
+    def build(name):
+        model = keras.Sequential([keras.Input((4,)), _Scale(name)])
+        model.compile("adam", "mse")
+        return model
+
+    kr.save_checkpoint(build("scale"), tmp_path, asynchronous=False)
+    with pytest.raises(ValueError, match="named 'gain' in the model"):
+        kr.load_checkpoint(build("gain"), tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_process_file_is_refused_before_any_weight_changes(
+    tmp_path, damage
+):
+    _trained_on(_model_parallel((1, 4)), tmp_path)
+    data = next((tmp_path / "ckpt").glob("ckpt-*/process-0.bin"))
+    if damage == "missing":
+        data.unlink()
+    else:
+        data.write_bytes(data.read_bytes()[:-5])
+    model = _fresh_on(_model_parallel((1, 4)))
+    before = [np.array(v.numpy()) for v in model.weights]
+    with pytest.raises(ValueError, match=f"process-0.bin: .*{damage}"):
+        kr.load_checkpoint(model, tmp_path / "ckpt")
+    _assert_same([np.array(v.numpy()) for v in model.weights], before)
+
+
 def test_loading_an_empty_directory_names_it(tmp_path):
     model = _model()
     with pytest.raises(FileNotFoundError, match="No sharded checkpoint"):
@@ -247,3 +294,89 @@ def test_bad_arguments_name_the_value(tmp_path):
         kr.save_checkpoint(model, tmp_path, metadata={"x": object()})
     with pytest.raises(TypeError, match="Received: step="):
         kr.save_checkpoint(model, tmp_path, step="last")
+
+
+KILLED = """
+import json, sys, time
+import keras_replicator as kr
+
+kr.configure_cpu_replicas(2)
+import keras
+import numpy as np
+
+directory = sys.argv[1]
+devices = keras.distribution.list_devices()[:2]
+mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices)
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map[".*kernel"] = (None, "model")
+keras.distribution.set_distribution(keras.distribution.ModelParallel(
+    layout_map=layout_map, batch_dim_name="batch"))
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((256,)),
+                          keras.layers.Dense(2048, name="a"),
+                          keras.layers.Dense(2048, name="b"),
+                          keras.layers.Dense(4, name="c")])
+model.compile(keras.optimizers.Adam(1e-3), "mse")
+x = np.ones((8, 256), "float32")
+y = np.ones((8, 4), "float32")
+model.fit(x, y, batch_size=8, verbose=0)
+kr.save_checkpoint(model, directory, asynchronous=False)
+sums = [float(np.abs(v.numpy().astype("float64")).sum())
+        for v in [*model.weights, *model.optimizer.variables]]
+with open(directory + ".first.json", "w") as f:
+    json.dump(sums, f)
+model.fit(x, y, batch_size=8, verbose=0)
+print("saving", flush=True)
+kr.save_checkpoint(model, directory)  # in the background
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_process_killed_while_a_save_is_written_resumes_from_the_last(
+    tmp_path,
+):
+    directory = tmp_path / "ckpt"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(directory)],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        assert process.stdout.readline().strip() == b"saving"
+        # SIGKILL as soon as the second save's files appear.
+        deadline = time.monotonic() + 120
+        while not (directory / "ckpt-2").exists():
+            assert time.monotonic() < deadline, "the second save never began"
+            assert process.poll() is None
+            time.sleep(0.001)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+    index = json.loads((directory / "index.json").read_text())
+    assert index["checkpoint"] == "ckpt-1"
+    sums = json.loads((tmp_path / "ckpt.first.json").read_text())
+    # The restart: a fresh process (here, one device) loads the last
+    # complete checkpoint.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((256,)),
+            keras.layers.Dense(2048, name="a"),
+            keras.layers.Dense(2048, name="b"),
+            keras.layers.Dense(4, name="c"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    kr.load_checkpoint(model, directory)
+    loaded = [
+        float(np.abs(v.numpy().astype("float64")).sum())
+        for v in [*model.weights, *model.optimizer.variables]
+    ]
+    np.testing.assert_allclose(loaded, sums, rtol=1e-12)

@@ -492,6 +492,26 @@ class _Reader:
         return out
 
 
+def _file_problems(directory, index) -> list[str]:
+    """Files the index names that are missing or shorter than it says."""
+    ends: dict[str, int] = {}
+    for entry in index["variables"].values():
+        for block in entry["blocks"]:
+            end = block["offset"] + block["nbytes"]
+            ends[block["file"]] = max(ends.get(block["file"], 0), end)
+    problems = []
+    for name, end in sorted(ends.items()):
+        path = directory / name
+        if not path.exists():
+            problems.append(f"{name}: missing (the index names it)")
+        elif path.stat().st_size < end:
+            problems.append(
+                f"{name}: {path.stat().st_size} bytes, the index needs "
+                f"{end} (truncated)"
+            )
+    return problems
+
+
 def _problems(variables, index) -> list[str]:
     saved = index["variables"]
     problems = []
@@ -511,6 +531,16 @@ def _problems(variables, index) -> list[str]:
         name = f"{variable.path} ({key})"
         if entry is None:
             problems.append(f"{name}: not in the checkpoint")
+        elif key.startswith("model/") and (
+            entry["path"].rpartition("/")[2] != variable.name
+        ):
+            # Matched by position; a variable's own name does not carry
+            # the auto-numbered names of its model or layers.
+            problems.append(
+                f"{name}: named {variable.name!r} in the model, "
+                f"{entry['path'].rpartition('/')[2]!r} in the checkpoint "
+                f"(as {entry['path']})"
+            )
         elif entry["shape"] != shape:
             problems.append(
                 f"{name}: shape {tuple(entry['shape'])} in the checkpoint "
@@ -569,7 +599,7 @@ def load(model, directory, *, verify=True) -> dict:
         variables = {
             k: v for k, v in variables.items() if k.startswith("model/")
         }
-    problems = _problems(variables, index)
+    problems = _problems(variables, index) + _file_problems(directory, index)
     if problems:
         raise ValueError(
             "The sharded checkpoint does not match the model; no weight was "
