@@ -1,9 +1,10 @@
 """A keras.distribution backup resumes under other layouts, in one process.
 
-ModelParallel stores a sharded variable in blocks, one per device, but a
-backup (`keras.callbacks.BackupAndRestore`, and the save our preemption
-patch does on SIGTERM at a step) must hold whole values, or a run stopped
-under one mesh could not resume under another with one device's numbers.
+ModelParallel stores a sharded variable in blocks, one per device, and so
+does its backup (`keras.callbacks.BackupAndRestore`, and the save our
+preemption patch does on SIGTERM at a step): a sharded checkpoint
+(`sharding/checkpoint.py`) that every other mesh, `DataParallel` and one
+device read with one device's numbers.
 
 One fit, preempted twice, each leg a new model as a restarted script makes:
 a (1, 4) mesh `("batch", "model")` over 4 local devices, stopped by SIGTERM
@@ -14,13 +15,16 @@ at its step, each resume starts at the step the last one stopped at, the
 legs' steps add up to the whole training, and the weights are those of an
 uninterrupted fit on one device (1e-5). Resuming the first backup with
 other batches (twice the global batch) mid-epoch raises the `ValueError`
-that says it cannot be exact, as without a mesh. The first backup's hidden
-kernel and its Adam slots are stored whole, (5, 8), not as one (5, 2) block.
+that says it cannot be exact, as without a mesh. The first backup holds
+the hidden kernel and its Adam slots as the 4 (5, 2) blocks the devices
+hold, each once, and no whole file; the `DataParallel` leg's backup is a
+whole `.weights.h5` again.
 The same chain across two workers is in
 `tests/multi_worker/test_distribution_resume.py`.
 """
 
 import functools
+import json
 import os
 import signal
 
@@ -81,6 +85,15 @@ def _fit(distribution, backup, stop_at=None, data=None):
         keras.distribution.set_distribution(None)
 
 
+def _sharded_blocks(backup):
+    """`{variable path: [block shapes]}` of a sharded backup's index."""
+    index = json.loads((backup / "sharded/index.json").read_text())
+    return {
+        entry["path"]: [tuple(b["shape"]) for b in entry["blocks"]]
+        for entry in index["variables"].values()
+    }
+
+
 def _stored_shapes(backup):
     """The shape of every array in the backup's weights file."""
     shapes = []
@@ -109,9 +122,15 @@ def test_a_backup_resumes_on_a_1x4_mesh_data_parallel_then_a_2x2_mesh(
     assert set(kr.shard_shapes(kernel).values()) == {(5, 2)}
     assert len(first) == FIRST_STOP
     assert ref.backup_step(backup) == FIRST_STOP
-    # Whole values: the kernel and its two Adam slots, not 4 blocks.
-    assert _stored_shapes(backup).count(HIDDEN) == 3
-    assert (5, 2) not in _stored_shapes(backup)
+    # Blocks: the kernel and its two Adam slots, 4 blocks of (5, 2) each,
+    # as the devices hold them; no whole file.
+    hidden = [
+        shapes
+        for path, shapes in _sharded_blocks(backup).items()
+        if "hidden" in path and "kernel" in path
+    ]
+    assert hidden == [[(5, 2)] * 4] * 3
+    assert not (backup / "latest.weights.h5").exists()
 
     # Other batches (twice the global batch) cannot resume mid-epoch
     # exactly: refused, as without a mesh, and the backup is left.
@@ -135,6 +154,9 @@ def test_a_backup_resumes_on_a_1x4_mesh_data_parallel_then_a_2x2_mesh(
     assert ref.step_of(second[0]) == FIRST_STOP
     assert len(second) == SECOND_STOP - FIRST_STOP
     assert ref.backup_step(backup) == SECOND_STOP
+    # Nothing is sharded there: a whole file, and the blocks are gone.
+    assert _stored_shapes(backup).count(HIDDEN) == 3
+    assert not (backup / "sharded").exists()
 
     # (2, 2): the rest.
     weights, third, kernel = _fit(

@@ -91,7 +91,12 @@ def reference_weights(strategy=None):
 
 def backup_step(backup):
     """The step of the whole training a backup was written at (1-based)."""
-    metadata = json.loads((backup / "training_metadata.json").read_text())
+    sharded = backup / "sharded" / "index.json"
+    if sharded.exists():
+        # A ModelParallel backup: the position is in the checkpoint's index.
+        metadata = json.loads(sharded.read_text())["metadata"]
+    else:
+        metadata = json.loads((backup / "training_metadata.json").read_text())
     ours = metadata["keras_replicator"]
     return ours["epoch"] * STEPS_PER_EPOCH + ours["steps_done"]
 

@@ -7,11 +7,13 @@ inside each) and stopped there by SIGTERM inside an epoch; resumed in this
 process under the (1, 4) mesh again to the end. One process group covers
 both directions.
 
-Backups hold whole values (written through the variables' full values),
-so both end with the weights of an uninterrupted fit on one device (1e-5).
+Backups are sharded checkpoints (every process writes the blocks it holds,
+no gather), which each mesh reads with one device's numbers, so both end
+with the weights of an uninterrupted fit on one device (1e-5).
 Workers run `workers/distribution_preempt_worker.py`.
 """
 
+import json
 import os
 import signal
 
@@ -119,6 +121,17 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
     saved = ref.backup_step(backup)
     # Mid second epoch, or at its end (see test_resume_topology.py).
     assert SECOND_MARK <= saved <= 2 * ref.STEPS_PER_EPOCH, saved
+    # Both workers wrote into one sharded checkpoint, each block once:
+    # on the (2, 2) mesh worker 0 holds both column blocks of each split
+    # variable (worker 1 holds copies), so its file has them all.
+    index = json.loads((backup / "sharded/index.json").read_text())
+    assert index["processes"] == 2
+    for entry in index["variables"].values():
+        files = [b["file"].rpartition("/")[2] for b in entry["blocks"]]
+        assert files == ["process-0.bin"] * len(files), entry["path"]
+        if entry["layout"] is not None:
+            assert len(files) == 2, entry
+    assert not (backup / "latest.weights.h5").exists()
 
     # One host, (1, 4) again: the rest.
     weights, trained = _fit_on_one_host(backup)

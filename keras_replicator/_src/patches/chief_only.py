@@ -142,6 +142,13 @@ PATCH = registry.register(
 )
 
 
+def real_backup_dir(backup) -> str:
+    """`backup`'s own `backup_dir`, also while its writes are redirected."""
+    return getattr(
+        backup, "_keras_replicator_backup_dir", os.fspath(backup.backup_dir)
+    )
+
+
 def redirect(callbacks, worker_index: int) -> list:
     """Sends a non-chief worker's file writes to a temporary directory.
 
@@ -284,6 +291,8 @@ class _RetargetBackup(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         original = self._backup.backup_dir
+        # A sharded backup is written by every process, into the real one.
+        self._backup._keras_replicator_backup_dir = os.fspath(original)
         for name in BACKUP_ATTRIBUTES:
             value = os.fspath(getattr(self._backup, name))
             moved = self._slot + value[len(os.fspath(original)) :]

@@ -54,10 +54,12 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.callbacks import callback_list
 
+from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import registry
+from keras_replicator._src.sharding import checkpoint
 from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import preemption
 
@@ -65,6 +67,9 @@ from keras_replicator._src.training import preemption
 METADATA_KEY = "keras_replicator"
 PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
+# A ModelParallel model's backup: a sharded checkpoint in this folder of
+# `backup_dir`, its training position in the checkpoint's index.
+SHARDED_FOLDER = "sharded"
 _METADATA_FILE = "training_metadata.json"
 _logger = logging.getLogger("keras_replicator")
 
@@ -179,6 +184,9 @@ def _on_train_end(original, self, logs=None):
         if run.agreement.should_stop_at_end():
             # A fit that trained nothing leaves the restored backup as is.
             _stop(self, run, save=run.in_epochs)
+    if run is not None:
+        # Before `BackupAndRestore.on_train_end` deletes the backup.
+        _wait_for_backups()
     return original(self, logs)
 
 
@@ -193,6 +201,8 @@ def _stop(callbacks, run: _Run, save: bool = True) -> None:
     ]
     for backup in backups if save else ():
         backup._save_model()
+    # A sharded backup writes in the background: done before the exit.
+    _wait_for_backups()
     signum = preemption.pending()
     cause = "a preemption signal on another worker"
     if signum is not None:
@@ -247,7 +257,68 @@ def _save_model(original, self):
         return original(self)
     # A save may take long; the hang watchdog's clock stops meanwhile.
     with hang_watchdog.paused():
+        target = chief_only.real_backup_dir(self)
+        if _local(target) and _has_sharded_variables(self.model):
+            return _save_sharded(self, run, target)
         return _save_atomically(original, self, run)
+
+
+# Sharded backups in flight (the fit's end and a preemption's exit wait for
+# them; a user's own `save_checkpoint` is not waited for there).
+_backup_saves: list = []
+
+
+def _wait_for_backups() -> None:
+    while _backup_saves:
+        _backup_saves.pop().wait()
+
+
+def _has_sharded_variables(model) -> bool:
+    return any(placements.of(v) is not None for v in model.weights)
+
+
+def _save_sharded(self, run: _Run, target: str) -> None:
+    """Every process writes its blocks to `<backup_dir>/sharded`.
+
+    No variable is gathered; the files are written in the background
+    (`sharding/checkpoint.py`), and the next save, the end of the fit and
+    a preemption's exit wait for them. The training position goes into the
+    checkpoint's index, so weights and position commit together. Once the
+    index is in place, process 0 removes a whole backup left from a run
+    under another distribution.
+    """
+    metadata = {
+        "epoch": run.epoch,
+        "batch": int(getattr(self, "_last_batch_seen", 0)),
+        METADATA_KEY: {
+            "epoch": run.epoch,
+            "steps_done": run.done,
+            "topology": topology(run.strategy),
+            **_data_state(run),
+        },
+    }
+
+    def drop_whole_backup():
+        for name in (
+            "_weights_path",
+            "_training_metadata_path",
+            "_prev_weights_path",
+            "_prev_training_metadata_path",
+        ):
+            path = os.path.join(target, os.path.basename(getattr(self, name)))
+            if os.path.exists(path):
+                os.remove(path)
+        shutil.rmtree(target + PREVIOUS_SUFFIX, ignore_errors=True)
+
+    _backup_saves.append(
+        checkpoint.save(
+            self.model,
+            os.path.join(target, SHARDED_FOLDER),
+            metadata=metadata,
+            on_commit=drop_whole_backup,
+        )
+    )
+    _log_state(f"saving to {target}", self.model, run.epoch, run.done)
 
 
 def _save_atomically(original, self, run: _Run):
@@ -291,9 +362,18 @@ def _save_atomically(original, self, run: _Run):
 
 def _load_model(original, self):
     run = _run_for(self.model)
-    target = os.fspath(self.backup_dir)
+    target = chief_only.real_backup_dir(self)
     if run is None or not _local(target):
         return original(self)
+    sharded = os.path.join(target, SHARDED_FOLDER)
+    if os.path.exists(os.path.join(sharded, checkpoint.INDEX)):
+        # A ModelParallel run's backup loads onto whatever this run has.
+        if not self.model.built:
+            return original(self)  # Keras' own error for an unbuilt model.
+        metadata = checkpoint.load(self.model, sharded)
+        self.model._initial_epoch = metadata["epoch"]
+        _resume_from(run, metadata, sharded, target, self.model)
+        return None
     source = target
     if not os.path.isdir(target) and os.path.isdir(target + PREVIOUS_SUFFIX):
         source = target + PREVIOUS_SUFFIX
@@ -303,20 +383,24 @@ def _load_model(original, self):
     if os.path.exists(metadata_path):
         with open(metadata_path) as f:
             metadata = json.load(f)
-        # Without our entry (a backup of stock Keras) the fit starts at the
-        # saved epoch's first step, as in Keras.
-        run.resume = metadata.get(METADATA_KEY)
-        done = run.resume or {}
-        _log_state(
-            f"restored from {source}",
-            self.model,
-            done.get("epoch", metadata.get("epoch", 0)),
-            done.get("steps_done", 0),
-        )
-        if run.resume:
-            run.resume["backup_dir"] = target
-            _note_topology(run)
+        _resume_from(run, metadata, source, target, self.model)
     return None
+
+
+def _resume_from(run: _Run, metadata: dict, source, target, model) -> None:
+    # Without our entry (a backup of stock Keras) the fit starts at the
+    # saved epoch's first step, as in Keras.
+    run.resume = metadata.get(METADATA_KEY)
+    done = run.resume or {}
+    _log_state(
+        f"restored from {source}",
+        model,
+        done.get("epoch", metadata.get("epoch", 0)),
+        done.get("steps_done", 0),
+    )
+    if run.resume:
+        run.resume["backup_dir"] = target
+        _note_topology(run)
 
 
 def state_digest(model) -> dict:

@@ -265,7 +265,7 @@ def _barrier(name, processes, timeout) -> None:
         ) from error
 
 
-def _commit(directory, name, processes, metadata) -> None:
+def _commit(directory, name, processes, metadata, on_commit=None) -> None:
     """Process 0: merges the parts into the index, then drops old saves."""
     folder = directory / name
     merged: dict[str, dict] = {}
@@ -294,12 +294,16 @@ def _commit(directory, name, processes, metadata) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, directory / INDEX)
+    if on_commit is not None:
+        on_commit()
     for old in directory.glob("ckpt-*"):
         if old.name != name and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(directory, name, process, processes, parts, metadata, timeout):
+def _write(
+    directory, name, process, processes, parts, metadata, timeout, on_commit
+):
     folder = directory / name
     if process == 0:
         if folder.exists():
@@ -311,7 +315,7 @@ def _write(directory, name, process, processes, parts, metadata, timeout):
     _write_part(folder, process, parts)
     _barrier(f"{name}/written", processes, timeout)
     if process == 0:
-        _commit(directory, name, processes, metadata)
+        _commit(directory, name, processes, metadata, on_commit)
     _barrier(f"{name}/indexed", processes, timeout)
 
 
@@ -364,6 +368,7 @@ def save(
     metadata=None,
     asynchronous=True,
     timeout_seconds=_DEFAULT_TIMEOUT,
+    on_commit=None,
 ) -> CheckpointSave:
     """Saves `model`'s weights and optimizer state as a sharded checkpoint.
 
@@ -384,6 +389,8 @@ def save(
             is written. If False, return when it is.
         timeout_seconds: How long a process waits for the others at each
             stage over several processes, in seconds. Defaults to 600.
+        on_commit: If set, called without arguments in process 0 once the
+            index is in place (before older checkpoints are removed).
 
     Returns:
         A `CheckpointSave`.
@@ -414,13 +421,13 @@ def save(
     }
     arguments = (directory, name, process, processes, parts, metadata)
     if not asynchronous:
-        _write(*arguments, timeout_seconds)
+        _write(*arguments, timeout_seconds, on_commit)
         return CheckpointSave(directory, name)
     handle = CheckpointSave(directory, name)
 
     def run():
         try:
-            _write(*arguments, timeout_seconds)
+            _write(*arguments, timeout_seconds, on_commit)
         except BaseException as error:  # Re-raised by `wait()`.
             handle._error = error
 
