@@ -13,11 +13,13 @@ half (each process writes only its blocks) is in
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -380,3 +382,56 @@ def test_a_process_killed_while_a_save_is_written_resumes_from_the_last(
         for v in [*model.weights, *model.optimizer.variables]
     ]
     np.testing.assert_allclose(loaded, sums, rtol=1e-12)
+
+
+GEMMA = Path(__file__).resolve().parents[1] / "examples/gemma_model_parallel.py"
+
+
+@pytest.mark.timeout(300)
+def test_the_command_round_trips_a_keras_hub_gemma_checkpoint(tmp_path):
+    import keras_hub
+
+    example = runpy.run_path(str(GEMMA))
+    devices = keras.distribution.list_devices()[:4]
+    mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"), devices)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+            batch_dim_name="batch",
+        )
+    )
+    model = example["build_model"]()
+    model.fit(example["dataset"](8).take(2), shuffle=False, verbose=0)
+    kr.save_checkpoint(model, tmp_path / "ckpt").wait()
+    trained = _state(model)
+    assert any(
+        entry["layout"] and any(entry["layout"])
+        for entry in json.loads((tmp_path / "ckpt/index.json").read_text())[
+            "variables"
+        ].values()
+    )
+
+    def convert(*args):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "keras_replicator._src.cluster.cli",
+                "checkpoint",
+                *args,
+                f"--model={GEMMA}:build_model",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    whole = tmp_path / "gemma.weights.h5"
+    convert("to-weights", str(tmp_path / "ckpt"), str(whole))
+    convert("from-weights", str(whole), str(tmp_path / "again"))
+    keras.distribution.set_distribution(None)
+    fresh = example["build_model"]()
+    kr.load_checkpoint(fresh, tmp_path / "again")
+    _assert_same(_state(fresh), trained)

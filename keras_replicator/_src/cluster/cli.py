@@ -75,6 +75,47 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    _load_package(args)
+    from keras_replicator._src.sharding import checkpoint
+
+    model = _build_model(args.model)
+    if args.direction == "to-weights":
+        checkpoint.to_weights(model, args.source, args.target)
+    else:
+        checkpoint.from_weights(model, args.source, args.target)
+    print(f"{args.source} -> {args.target}")
+    return 0
+
+
+def _build_model(spec: str):
+    """The model `FILE.py:FUNCTION` or `MODULE:FUNCTION` returns."""
+    import importlib
+    import runpy
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise SystemExit(
+            "--model must be FILE.py:FUNCTION or MODULE:FUNCTION. "
+            f"Received: --model={spec!r}"
+        )
+    if where.endswith(".py"):
+        if not os.path.exists(where):
+            raise SystemExit(f"No such file. Received: --model={spec!r}")
+        namespace = runpy.run_path(where)
+    else:
+        namespace = vars(importlib.import_module(where))
+    if name not in namespace:
+        raise SystemExit(f"{where} has no {name!r}. Received: --model={spec!r}")
+    model = namespace[name]()
+    if not getattr(model, "built", False):
+        raise SystemExit(
+            f"{spec} returned an unbuilt model: build it (an `Input`, or call "
+            f"it on a batch) before returning it. Received: {model!r}"
+        )
+    return model
+
+
 def _launch(args: argparse.Namespace) -> int:
     from keras_replicator._src.cluster import launch
     from keras_replicator._src.cluster import layout
@@ -207,6 +248,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(launch, "of every worker")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_launch)
+
+    convert = sub.add_parser(
+        "checkpoint",
+        help="convert a sharded checkpoint to a .weights.h5 file, or back",
+    )
+    convert.add_argument("direction", choices=("to-weights", "from-weights"))
+    convert.add_argument(
+        "source", help="the sharded checkpoint (to-weights) or the .weights.h5"
+    )
+    convert.add_argument(
+        "target", help="the .weights.h5 (to-weights) or the checkpoint folder"
+    )
+    convert.add_argument(
+        "--model",
+        required=True,
+        help="FILE.py:FUNCTION or MODULE:FUNCTION returning the built model "
+        "(run it under `keras-replicator launch` with a ModelParallel "
+        "distribution to convert a model larger than one process)",
+    )
+    _add_verbose(convert, "of this process")
+    convert.set_defaults(func=_checkpoint)
 
     tf_config = sub.add_parser(
         "tf-config", help="print the TF_CONFIG of one task of a cluster"

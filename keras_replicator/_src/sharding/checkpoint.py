@@ -627,3 +627,39 @@ def load(model, directory, *, verify=True) -> dict:
             ),
         )
     return index["metadata"]
+
+
+def to_weights(model, directory, filepath) -> None:
+    """Converts a sharded checkpoint to a whole Keras `.weights.h5` file.
+
+    Loads the checkpoint into `model` (each process its blocks), then
+    `model.save_weights(filepath)`, which under `ModelParallel` gathers and
+    writes one variable at a time from the chief. Every process calls it.
+
+    Args:
+        model: A built model of the checkpoint's structure, on any mesh.
+        directory: The sharded checkpoint.
+        filepath: The `.weights.h5` file to write.
+    """
+    load(model, directory)
+    model.save_weights(filepath)
+
+
+def from_weights(model, filepath, directory) -> None:
+    """Converts a whole Keras `.weights.h5` file to a sharded checkpoint.
+
+    `model.load_weights(filepath)` (each process cuts its blocks from the
+    file's arrays, one variable at a time), then a synchronous `save`.
+    Every process calls it.
+
+    Args:
+        model: A built model of the file's structure, on any mesh.
+        filepath: A `.weights.h5` file.
+        directory: The sharded checkpoint to write.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        # The file may hold the optimizer's state: give it somewhere to go.
+        optimizer.build(model.trainable_variables)
+    model.load_weights(filepath)
+    save(model, directory, asynchronous=False)
