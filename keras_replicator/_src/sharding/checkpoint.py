@@ -44,6 +44,7 @@ distributed checkpoint and Orbax do.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
@@ -99,6 +100,8 @@ class CheckpointSave:
             error, self._error = self._error, None
             raise error
 
+
+_save_numbers = itertools.count()
 
 # The save in flight in this process (at most one: the next waits).
 _pending: list[CheckpointSave] = []
@@ -228,7 +231,7 @@ def _write_part(folder, process, parts) -> None:
             written = []
             for begin, array in blocks:
                 raw = np.asarray(array, order="C")
-                f.write(raw.tobytes(order="C"))
+                f.write(memoryview(raw.reshape(-1)).cast("B"))
                 written.append(
                     {
                         "file": data.name,
@@ -304,19 +307,22 @@ def _commit(directory, name, processes, metadata, on_commit=None) -> None:
 def _write(
     directory, name, process, processes, parts, metadata, timeout, on_commit
 ):
+    # Barrier ids are used once per cluster: the save's number (every
+    # process saves in the same order) keeps a retried name apart.
+    number = next(_save_numbers)
     folder = directory / name
     if process == 0:
         if folder.exists():
             # A save that never committed (a crash) left it.
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
-    _barrier(f"{name}/folder", processes, timeout)
+    _barrier(f"{number}/{name}/folder", processes, timeout)
     folder.mkdir(parents=True, exist_ok=True)
     _write_part(folder, process, parts)
-    _barrier(f"{name}/written", processes, timeout)
+    _barrier(f"{number}/{name}/written", processes, timeout)
     if process == 0:
         _commit(directory, name, processes, metadata, on_commit)
-    _barrier(f"{name}/indexed", processes, timeout)
+    _barrier(f"{number}/{name}/indexed", processes, timeout)
 
 
 def _read_index(directory) -> dict | None:
