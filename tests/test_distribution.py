@@ -346,13 +346,40 @@ def test_an_axis_not_in_the_mesh_is_named():
     assert "'d1/kernel'" in str(info.value)
 
 
-def test_a_layout_of_another_rank_is_named():
+def test_a_layout_longer_than_the_variable_is_named():
     keras.distribution.set_distribution(
-        _model_parallel((1, 4), {"d1/kernel": ("model",)})
+        _model_parallel((1, 4), {"d1/bias": ("model", None)})
     )
-    with pytest.raises(ValueError, match="2 dimensions") as info:
+    with pytest.raises(ValueError, match="1 dimensions") as info:
         _build_dense(8, 8)
-    assert "layout=('model',)" in str(info.value)
+    assert "layout=('model', None)" in str(info.value)
+
+
+def test_a_shorter_layout_leaves_the_other_dimensions_whole_as_on_jax():
+    # Keras' own initializer_test lays out a (2, 4) "bias" as ("model",) on
+    # a (2, 2) mesh: JAX splits its rows and leaves its columns whole.
+    mesh = _mesh((2, 2))
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["kernel"] = keras.distribution.TensorLayout([None, "model"])
+    layout_map["bias"] = keras.distribution.TensorLayout(["model"])
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+    bias = keras.Variable("ones", (2, 4), "float32", name="bias")
+    kernel = keras.Variable("ones", (2, 4), "float32", name="kernel")
+    assert set(kr.shard_shapes(bias).values()) == {(1, 4)}
+    assert set(kr.shard_shapes(kernel).values()) == {(2, 2)}
+    np.testing.assert_array_equal(bias.numpy(), np.ones((2, 4)))
+    np.testing.assert_array_equal(kernel.numpy(), np.ones((2, 4)))
+
+
+def test_an_axis_named_twice_is_refused_with_the_path():
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {"d1/kernel": ("model", "model")})
+    )
+    with pytest.raises(ValueError, match="splits two dimensions") as info:
+        _build_dense(8, 8)
+    assert "'d1/kernel'" in str(info.value)
 
 
 def test_a_mesh_larger_than_the_devices_is_refused_before_training():

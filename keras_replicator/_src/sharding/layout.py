@@ -142,8 +142,9 @@ def placement(path: str, shape, layout, mesh) -> Placement:
         A `Placement`.
 
     Raises:
-        ValueError: If the layout's rank differs from the variable's, names
-            an axis the mesh lacks, names one axis twice, or splits a
+        ValueError: If the layout has more entries than the variable has
+            dimensions (fewer leave the rest whole, as on JAX), names an
+            axis the mesh lacks, names one axis twice, or splits a
             dimension by an axis size that does not divide it.
         NotImplementedError: If a dimension is split over several mesh axes
             at once.
@@ -151,13 +152,17 @@ def placement(path: str, shape, layout, mesh) -> Placement:
     axes = tuple(getattr(layout, "axes", layout))
     shape = tuple(int(d) for d in shape)
     names = tuple(mesh.axis_names)
-    if len(axes) != len(shape):
+    if len(axes) > len(shape):
         raise ValueError(
-            f"A layout must name one mesh axis (or None) per dimension of "
-            f"the variable: the layout has {len(axes)} entries and the "
+            f"A layout names at most one mesh axis (or None) per dimension "
+            f"of the variable: the layout has {len(axes)} entries and the "
             f"variable {len(shape)} dimensions. "
             + _describe(path, shape, axes, mesh)
         )
+    # As JAX reads a shorter layout (a `PartitionSpec`): the dimensions it
+    # does not name stay whole (`("model",)` for a 2-D variable splits its
+    # rows only).
+    axes = axes + (None,) * (len(shape) - len(axes))
     dim_axes = []
     for axis in axes:
         if axis is None:
