@@ -286,8 +286,46 @@ def test_a_corrupt_block_is_caught_by_its_checksum(tmp_path):
     raw[10] ^= 0xFF
     data.write_bytes(bytes(raw))
     model = _fresh_on(_model_parallel((1, 4)))
+    before = [np.array(v.numpy()) for v in model.weights]
     with pytest.raises(ValueError, match="corrupt"):
         kr.load_checkpoint(model, tmp_path / "ckpt")
+    # Checked before any assignment: nothing changed.
+    _assert_same([np.array(v.numpy()) for v in model.weights], before)
+
+
+def test_bfloat16_weights_round_trip(tmp_path):
+    def build():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, name="d0", dtype="bfloat16"),
+                keras.layers.Dense(4, name="d1", dtype="bfloat16"),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    keras.distribution.set_distribution(_model_parallel((1, 4)))
+    model = build()  # Not trained: CPU collectives have no bfloat16.
+    kr.save_checkpoint(model, tmp_path / "ckpt").wait()
+    expected = [np.asarray(v.numpy(), np.float32) for v in model.weights]
+    keras.distribution.set_distribution(None)
+    fresh = build()
+    kr.load_checkpoint(fresh, tmp_path / "ckpt")
+    assert fresh.weights[0].dtype == "bfloat16"
+    _assert_same(
+        [np.asarray(v.numpy(), np.float32) for v in fresh.weights], expected
+    )
+
+
+def test_converting_to_a_file_that_keras_cannot_name_is_refused(tmp_path):
+    from keras_replicator._src.sharding import checkpoint as module
+
+    model = _model()
+    kr.save_checkpoint(model, tmp_path / "ckpt", asynchronous=False)
+    with pytest.raises(ValueError, match="Received: filepath="):
+        module.to_weights(model, tmp_path / "ckpt", tmp_path / "w.h5")
 
 
 def test_bad_arguments_name_the_value(tmp_path):

@@ -104,6 +104,8 @@ def _build_model(spec: str):
             raise SystemExit(f"No such file. Received: --model={spec!r}")
         namespace = runpy.run_path(where)
     else:
+        # As `python -m` would: modules of the working directory import.
+        sys.path.insert(0, os.getcwd())
         namespace = vars(importlib.import_module(where))
     if name not in namespace:
         raise SystemExit(f"{where} has no {name!r}. Received: --model={spec!r}")

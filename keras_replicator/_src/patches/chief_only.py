@@ -16,7 +16,9 @@ process is not the chief; then it
 
 - points the file paths of the callbacks above at a fresh temporary
   directory (`BackupAndRestore` first restores from the real backup, which
-  the chief wrote, then writes to the temporary one);
+  the chief wrote, then writes to the temporary one; a model with sharded
+  variables backs up into the real one from every process, each writing
+  its blocks: `real_backup_dir`, `patches/preemption.py`);
 - drops the progress bar;
 - at the end of fit/evaluate/predict restores the callbacks' paths and
   deletes the temporary directory.

@@ -269,8 +269,10 @@ _backup_saves: list = []
 
 
 def _wait_for_backups() -> None:
-    while _backup_saves:
-        _backup_saves.pop().wait()
+    # A long write is no hang: the watchdog's clock stops meanwhile.
+    with hang_watchdog.paused():
+        while _backup_saves:
+            _backup_saves.pop().wait()
 
 
 def _has_sharded_variables(model) -> bool:
@@ -299,6 +301,7 @@ def _save_sharded(self, run: _Run, target: str) -> None:
     }
 
     def drop_whole_backup():
+        shutil.rmtree(target + PARTIAL_SUFFIX, ignore_errors=True)
         for name in (
             "_weights_path",
             "_training_metadata_path",
@@ -365,8 +368,11 @@ def _load_model(original, self):
     target = chief_only.real_backup_dir(self)
     if run is None or not _local(target):
         return original(self)
-    sharded = os.path.join(target, SHARDED_FOLDER)
-    if os.path.exists(os.path.join(sharded, checkpoint.INDEX)):
+    # A backup of this process still being written (a fit that raised,
+    # retried in a notebook) is complete before it is looked for.
+    _wait_for_backups()
+    sharded = _sharded_backup(target)
+    if sharded is not None:
         # A ModelParallel run's backup loads onto whatever this run has.
         if not self.model.built:
             return original(self)  # Keras' own error for an unbuilt model.
@@ -384,6 +390,21 @@ def _load_model(original, self):
         with open(metadata_path) as f:
             metadata = json.load(f)
         _resume_from(run, metadata, source, target, self.model)
+    return None
+
+
+def _sharded_backup(target: str) -> str | None:
+    """The folder of the sharded backup to restore, if the backup is one.
+
+    `<backup_dir>.previous` holds it when a process was killed between the
+    two renames of a whole save that replaced it.
+    """
+    for root in (target, target + PREVIOUS_SUFFIX):
+        if root != target and os.path.isdir(target):
+            break
+        folder = os.path.join(root, SHARDED_FOLDER)
+        if os.path.exists(os.path.join(folder, checkpoint.INDEX)):
+            return folder
     return None
 
 

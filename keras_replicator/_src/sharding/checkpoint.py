@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -63,6 +64,7 @@ from keras_replicator._src.sharding import sharded
 FORMAT = "keras-replicator-sharded-checkpoint"
 VERSION = 1
 INDEX = "index.json"
+_logger = logging.getLogger("keras_replicator")
 _CRC_CHUNK = 1 << 24  # bytes per checksum update: a bounded transient
 _DEFAULT_TIMEOUT = 600.0
 
@@ -231,7 +233,9 @@ def _write_part(folder, process, parts) -> None:
             written = []
             for begin, array in blocks:
                 raw = np.asarray(array, order="C")
-                f.write(memoryview(raw.reshape(-1)).cast("B"))
+                # Bytes as they are (a buffer of ml_dtypes' bfloat16 or
+                # float8 does not cast to "B").
+                f.write(raw.reshape(-1).view(np.uint8))
                 written.append(
                     {
                         "file": data.name,
@@ -253,6 +257,20 @@ def _write_part(folder, process, parts) -> None:
         os.fsync(f.fileno())
 
 
+def _sync_folder(folder) -> None:
+    """Makes new or renamed entries of `folder` durable (POSIX)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # Not every file system syncs a folder.
+    finally:
+        os.close(descriptor)
+
+
 def _barrier(name, processes, timeout) -> None:
     if processes == 1:
         return
@@ -268,13 +286,23 @@ def _barrier(name, processes, timeout) -> None:
         ) from error
 
 
-def _commit(directory, name, processes, metadata, on_commit=None) -> None:
+def _commit(
+    directory, name, processes, metadata, on_commit=None, sequence=0
+) -> None:
     """Process 0: merges the parts into the index, then drops old saves."""
     folder = directory / name
     merged: dict[str, dict] = {}
     for k in range(processes):
-        with open(folder / f"process-{k}.json") as f:
-            part = json.load(f)
+        try:
+            with open(folder / f"process-{k}.json") as f:
+                part = json.load(f)
+        except FileNotFoundError as error:
+            raise RuntimeError(
+                f"Process {k} wrote its part of the sharded checkpoint, but "
+                f"process 0 cannot see it: every process must write to "
+                f"storage all of them see (one host's disk, or a shared "
+                f"file system). Received: directory={str(directory)!r}"
+            ) from error
         for key, entry in part.items():
             blocks = [
                 {**b, "file": f"{name}/{b['file']}"} for b in entry["blocks"]
@@ -288,6 +316,7 @@ def _commit(directory, name, processes, metadata, on_commit=None) -> None:
         "version": VERSION,
         "checkpoint": name,
         "processes": processes,
+        "sequence": sequence,
         "metadata": metadata,
         "variables": merged,
     }
@@ -297,6 +326,7 @@ def _commit(directory, name, processes, metadata, on_commit=None) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, directory / INDEX)
+    _sync_folder(directory)
     if on_commit is not None:
         on_commit()
     for old in directory.glob("ckpt-*"):
@@ -305,11 +335,21 @@ def _commit(directory, name, processes, metadata, on_commit=None) -> None:
 
 
 def _write(
-    directory, name, process, processes, parts, metadata, timeout, on_commit
+    directory,
+    name,
+    sequence,
+    process,
+    processes,
+    parts,
+    metadata,
+    timeout,
+    on_commit,
 ):
-    # Barrier ids are used once per cluster: the save's number (every
-    # process saves in the same order) keeps a retried name apart.
-    number = next(_save_numbers)
+    # Barrier ids are used once per cluster: the number of the save among
+    # this cluster's saves (every process makes them in the same order;
+    # a save of one process alone does not count) keeps a retried name
+    # apart.
+    number = next(_save_numbers) if processes > 1 else 0
     folder = directory / name
     if process == 0:
         if folder.exists():
@@ -319,9 +359,10 @@ def _write(
     _barrier(f"{number}/{name}/folder", processes, timeout)
     folder.mkdir(parents=True, exist_ok=True)
     _write_part(folder, process, parts)
+    _sync_folder(folder)
     _barrier(f"{number}/{name}/written", processes, timeout)
     if process == 0:
-        _commit(directory, name, processes, metadata, on_commit)
+        _commit(directory, name, processes, metadata, on_commit, sequence)
     _barrier(f"{number}/{name}/indexed", processes, timeout)
 
 
@@ -345,7 +386,13 @@ def _read_index(directory) -> dict | None:
     return index
 
 
-def _name(model, directory, step) -> str:
+def _name(model, directory, step) -> tuple[str, int]:
+    """The new checkpoint's folder name and its number in `directory`.
+
+    Every process computes the same from the committed index (the last
+    save's "indexed" barrier is passed), not from a directory listing,
+    which a network file system may cache differently on each host.
+    """
     if step is None:
         optimizer = getattr(model, "optimizer", None)
         step = (
@@ -359,11 +406,12 @@ def _name(model, directory, step) -> str:
         )
     name = f"ckpt-{int(step)}"
     index = _read_index(directory)
+    sequence = 0 if index is None else index.get("sequence", 0) + 1
     if index is not None and index["checkpoint"] == name:
         # The same step saved again: a new name, so that the committed
         # files stay until the new index replaces them.
-        name = f"ckpt-{int(step)}-{len(os.listdir(directory))}"
-    return name
+        name = f"ckpt-{int(step)}-{sequence}"
+    return name, sequence
 
 
 def save(
@@ -420,12 +468,12 @@ def save(
     variables = _variables(model)
     strategy = _strategy_of(variables.values())
     process, processes = _process(strategy)
-    name = _name(model, directory, step)
+    name, sequence = _name(model, directory, step)
     parts = {
         key: _host_blocks(key, variable, process)
         for key, variable in variables.items()
     }
-    arguments = (directory, name, process, processes, parts, metadata)
+    arguments = (directory, name, sequence, process, processes, parts, metadata)
     if not asynchronous:
         _write(*arguments, timeout_seconds, on_commit)
         return CheckpointSave(directory, name)
@@ -436,6 +484,14 @@ def save(
             _write(*arguments, timeout_seconds, on_commit)
         except BaseException as error:  # Re-raised by `wait()`.
             handle._error = error
+            # Also said now: a script may never wait for its last save.
+            _logger.error(
+                "keras-replicator: the sharded checkpoint %s in %s was not "
+                "written: %r (the previous one stays)",
+                name,
+                directory,
+                error,
+            )
 
     thread = threading.Thread(
         target=run, name="keras_replicator-checkpoint", daemon=False
@@ -480,8 +536,19 @@ class _Reader:
             self._checked.add(i)
         return mapped
 
+    def verify(self, begin, shape) -> None:
+        """Checks the checksums of the blocks the box `begin, shape` needs."""
+        for i, block, _, _ in self._pieces(begin, shape):
+            self._block(i, block)
+
     def read(self, begin, shape) -> np.ndarray:
         out = np.empty(tuple(shape), self._dtype)
+        for i, block, source, target in self._pieces(begin, shape):
+            out[target] = self._block(i, block)[source]
+        return out
+
+    def _pieces(self, begin, shape):
+        """`(index, block, source box, target box)` of each block needed."""
         for i, block in enumerate(self._entry["blocks"]):
             starts = zip(begin, block["begin"], strict=True)
             low = [max(a, b) for a, b in starts]
@@ -501,8 +568,7 @@ class _Reader:
                 slice(lo - a, hi - a)
                 for lo, hi, a in zip(low, high, begin, strict=True)
             )
-            out[target] = self._block(i, block)[source]
-        return out
+            yield i, block, source, target
 
 
 def _file_problems(directory, index) -> list[str]:
@@ -619,20 +685,44 @@ def load(model, directory, *, verify=True) -> dict:
             f"changed. Received: directory={str(directory)!r}, mismatches:\n  "
             + "\n  ".join(problems)
         )
-    for key, variable in variables.items():
-        reader = _Reader(directory, key, index["variables"][key], verify)
-        placement = placements.of(variable)
-        if placement is None:
-            shape = tuple(int(d) for d in variable.shape)
-            variable.assign(reader.read([0] * len(shape), shape))
+    entries = index["variables"]
+    plans = [
+        _plan(variable, _Reader(directory, key, entries[key], verify))
+        for key, variable in variables.items()
+    ]
+    if verify:
+        # Every block this process reads is checked before any assignment,
+        # so a corrupt block leaves the model as it was.
+        for _, reader, boxes in plans:
+            for begin, shape in boxes.values():
+                reader.verify(begin, shape)
+    for variable, reader, boxes in plans:
+        if placements.of(variable) is None:
+            ((begin, shape),) = boxes.values()
+            variable.assign(reader.read(begin, shape))
             continue
         sharded.assign_blocks(
             variable,
-            lambda r, p=placement, rd=reader: rd.read(
-                list(p.begin(r)), p.local_shape
-            ),
+            lambda r, rd=reader, b=boxes: rd.read(*b[r]),
         )
     return index["metadata"]
+
+
+def _plan(variable, reader) -> tuple:
+    """`(variable, reader, {replica: (begin, shape)})` this process reads."""
+    placement = placements.of(variable)
+    if placement is None:
+        shape = tuple(int(d) for d in variable.shape)
+        return variable, reader, {None: ([0] * len(shape), shape)}
+    strategy = variable._value.distribute_strategy
+    return (
+        variable,
+        reader,
+        {
+            r: (list(placement.begin(r)), placement.local_shape)
+            for r in sharded.local_replicas(strategy)
+        },
+    )
 
 
 def to_weights(model, directory, filepath) -> None:
@@ -643,10 +733,31 @@ def to_weights(model, directory, filepath) -> None:
     writes one variable at a time from the chief. Every process calls it.
 
     Args:
-        model: A built model of the checkpoint's structure, on any mesh.
+        model: A built model of the checkpoint's structure, on any mesh;
+            compiled if the checkpoint holds optimizer state.
         directory: The sharded checkpoint.
         filepath: The `.weights.h5` file to write.
+
+    Raises:
+        ValueError: If `filepath` does not end in `.weights.h5`, or the
+            checkpoint holds optimizer state and `model` has no optimizer
+            (it would be dropped).
     """
+    if not str(filepath).endswith(".weights.h5"):
+        raise ValueError(
+            "Keras writes weights to a file ending in `.weights.h5`. "
+            f"Received: filepath={str(filepath)!r}"
+        )
+    index = _read_index(pathlib.Path(directory))
+    holds_optimizer = index is not None and any(
+        k.startswith("optimizer/") for k in index["variables"]
+    )
+    if holds_optimizer and getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            "The checkpoint holds optimizer state and the model has no "
+            "optimizer, so the state would be dropped: compile the model "
+            f"first. Received: directory={str(directory)!r}"
+        )
     load(model, directory)
     model.save_weights(filepath)
 

@@ -1,0 +1,228 @@
+"""What a `LayoutMap` did to a model: a report, and warnings for what it missed.
+
+Keras matches a `LayoutMap` key against a variable's path with
+`re.fullmatch` (an exact key first). A key written for one model shape can
+match nothing on another: the guide's `"d1/kernel"` works on its Functional
+model, but a `Sequential` model's path is `sequential/d1/kernel`, so the
+same key shards nothing, silently. `layout_report` shows, per variable, the
+key that matched and what each device holds; at a model's first `fit`
+under `ModelParallel`, `warn_once` logs keys that matched no variable,
+large variables no key matched (replicated on every device), and variables
+a matching rule leaves whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import weakref
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_replicator._src.core import placements
+
+# Variables above this many bytes that no key matches are warned about.
+LARGE_BYTES = 1 << 20
+_logger = logging.getLogger("keras_replicator")
+_warned: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One variable: its path, full shape, the key it matched, its block."""
+
+    path: str
+    shape: tuple[int, ...]
+    key: str | None
+    block: tuple[int, ...]
+    bytes_per_device: int
+    optimizer: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutReport:
+    """Every variable's placement and the totals each device holds.
+
+    Attributes:
+        rows: One `Row` per model and optimizer variable.
+        weights_bytes: The model's variables on each device.
+        optimizer_bytes: The optimizer's variables on each device.
+        largest_gather_bytes: The largest full value a step gathers (the
+            largest sharded variable), a transient on each device.
+        unmatched_keys: Layout map keys that matched no variable.
+    """
+
+    rows: tuple[Row, ...]
+    weights_bytes: int
+    optimizer_bytes: int
+    largest_gather_bytes: int
+    unmatched_keys: tuple[str, ...]
+
+    def __str__(self) -> str:
+        width = max([len(r.path) for r in self.rows] + [8])
+        lines = [
+            f"{'variable':<{width}}  {'shape':<16} {'key':<20} "
+            f"{'per device':<16} {'bytes':>12}"
+        ]
+        for r in self.rows:
+            lines.append(
+                f"{r.path:<{width}}  {str(r.shape):<16} "
+                f"{str(r.key or '-'):<20} {str(r.block):<16} "
+                f"{r.bytes_per_device:>12,}"
+            )
+        lines.append(
+            f"per device: weights {self.weights_bytes:,} B, optimizer "
+            f"{self.optimizer_bytes:,} B, largest gathered transient "
+            f"{self.largest_gather_bytes:,} B"
+        )
+        if self.unmatched_keys:
+            lines.append(f"keys that matched nothing: {self.unmatched_keys}")
+        return "\n".join(lines)
+
+
+def _layout_map():
+    distribution = keras.distribution.distribution()
+    return getattr(distribution, "_layout_map", None)
+
+
+def matched_key(layout_map, path: str) -> str | None:
+    """The key Keras' `LayoutMap` uses for `path`, or None."""
+    if layout_map is None:
+        return None
+    keys = list(layout_map.keys())
+    if path in keys:
+        return path
+    found = [k for k in keys if re.fullmatch(k, path)]
+    return found[0] if len(found) == 1 else None
+
+
+def _nbytes(shape, variable) -> int:
+    inner = getattr(variable, "_value", variable)
+    return math.prod(shape) * np.dtype(inner.dtype.as_numpy_dtype).itemsize
+
+
+def _row(variable, layout_map, optimizer: bool) -> Row:
+    shape = tuple(int(d) for d in variable.shape)
+    placement = placements.of(variable)
+    block = placement.local_shape if placement is not None else shape
+    return Row(
+        path=variable.path,
+        shape=shape,
+        key=matched_key(layout_map, variable.path),
+        block=tuple(block),
+        bytes_per_device=_nbytes(block, variable),
+        optimizer=optimizer,
+    )
+
+
+def layout_report(model: Any, print_fn=print) -> LayoutReport:
+    """Reports where every variable of `model` lives, and the totals.
+
+    For each model and optimizer variable: its path, full shape, the
+    `LayoutMap` key that matched it (or `-`), the block each device holds
+    and its bytes. Then per device: the weights, the optimizer state and
+    the largest full value a training step gathers. Under no distribution
+    or `DataParallel` every variable is whole on every device.
+
+    Example:
+    ```python
+    report = kr.layout_report(model)  # prints the table
+    report.weights_bytes  # bytes of weights on each device
+    ```
+
+    Args:
+        model: A built Keras model.
+        print_fn: Called with the report's text; `None` prints nothing.
+            Defaults to `print`.
+
+    Returns:
+        A `LayoutReport`.
+
+    Raises:
+        ValueError: If `model` is not built.
+    """
+    if not getattr(model, "built", False):
+        raise ValueError(
+            "`layout_report` needs a built model (its variables exist once "
+            f"it is built). Received: model={model!r}"
+        )
+    layout_map = _layout_map()
+    rows = [_row(v, layout_map, False) for v in model.weights]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        rows += [_row(v, layout_map, True) for v in optimizer.variables]
+    used = {r.key for r in rows if r.key is not None}
+    keys = tuple(layout_map.keys()) if layout_map is not None else ()
+    sharded = [
+        _nbytes(r.shape, v)
+        for r, v in zip(rows, _variables(model), strict=True)
+        if r.block != r.shape
+    ]
+    report = LayoutReport(
+        rows=tuple(rows),
+        weights_bytes=sum(r.bytes_per_device for r in rows if not r.optimizer),
+        optimizer_bytes=sum(r.bytes_per_device for r in rows if r.optimizer),
+        largest_gather_bytes=max(sharded, default=0),
+        unmatched_keys=tuple(k for k in keys if k not in used),
+    )
+    if print_fn is not None:
+        print_fn(str(report))
+    return report
+
+
+def _variables(model):
+    found = list(model.weights)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        found += list(optimizer.variables)
+    return found
+
+
+def warn_once(model: Any, large_bytes: int = LARGE_BYTES) -> None:
+    """Logs, once per model, what its `ModelParallel` layout map missed.
+
+    Keys that matched no variable; variables over `large_bytes` (1 MB) that
+    no key matched and that stay whole on every device; variables a key
+    matched whose layout splits nothing. Nothing under other distributions.
+    """
+    layout_map = _layout_map()
+    if layout_map is None or model in _warned:
+        return
+    _warned.add(model)
+    report = layout_report(model, print_fn=None)
+    problems = []
+    if report.unmatched_keys:
+        problems.append(
+            f"layout map keys that matched no variable (Keras matches a key "
+            f"against the whole path, e.g. 'sequential/d1/kernel'; '.*d1/"
+            f"kernel' matches it): {list(report.unmatched_keys)}"
+        )
+    whole = [r for r in report.rows if r.block == r.shape]
+    large = [
+        f"{r.path} {r.shape} ({r.bytes_per_device / 2**20:.1f} MB)"
+        for r in whole
+        if r.key is None
+        and not r.optimizer
+        and r.bytes_per_device > large_bytes
+    ]
+    if large:
+        problems.append(
+            f"variables over {large_bytes / 2**20:g} MB that no key matched "
+            f"stay whole on every device: {large}"
+        )
+    unsplit = [r.path for r in whole if r.key is not None and not r.optimizer]
+    if unsplit:
+        problems.append(
+            f"variables a key matched whose layout splits nothing: {unsplit}"
+        )
+    if problems:
+        _logger.warning(
+            "keras-replicator: the ModelParallel layout map of %s: %s. See "
+            "`kr.layout_report(model)`.",
+            getattr(model, "name", model),
+            "; ".join(problems),
+        )
