@@ -55,6 +55,7 @@ else:
     from keras_replicator._src.sharding.checkpoint import (
         save as save_checkpoint,
     )
+    from keras_replicator._src.sharding.report import layout_report
     from keras_replicator._src.training.optimizer import ReplicatedOptimizer
 
     # Imported before TensorFlow's first op, split the CPU into logical
@@ -86,6 +87,7 @@ __all__ = (
     "data",
     "launch",
     "layers",
+    "layout_report",
     "load_checkpoint",
     "num_replicas",
     "replica_id",

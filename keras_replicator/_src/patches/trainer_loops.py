@@ -19,6 +19,9 @@ Several behaviours need these entry points, and one patch owns them:
   replica cannot hold the all-gathers that read those variables. Keras'
   own `"auto"` resolves to False under tf.distribute. Its layers that own
   such variables are rematerialised for `fit` (`sharding/remat.py`).
+- At a model's first `fit` under `ModelParallel`, a warning names the
+  layout map keys that matched nothing and the large variables it leaves
+  whole (`sharding/report.py`).
 
 Everything else, including every model under no strategy or a stock
 `tf.distribute` strategy, runs Keras' stock method unchanged.
@@ -36,6 +39,7 @@ from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import remat
+from keras_replicator._src.sharding import report
 from keras_replicator._src.training import hang_watchdog
 
 
@@ -85,6 +89,9 @@ def _dispatch(name):
         _check_jit(self, name)
         if name == "fit" and placements.any_sharded(self.variables):
             remat.rematerialize(self)
+        if name == "fit":
+            # Once per model: what its ModelParallel layout map missed.
+            report.warn_once(self)
         if name == "fit":
             with preemption.fit_scope(self):
                 with hang_watchdog.watching(

@@ -1,0 +1,137 @@
+"""`kr.layout_report` and the warnings of a model's first ModelParallel fit.
+
+The report's bytes per device are what `kr.shard_shapes` says each device
+holds. The guide's key `"d1/kernel"` shards nothing on a `Sequential`
+model (whose path is `sequential/d1/kernel`): the first `fit` warns and
+names the key. A mixture-of-experts weight (3-D, over 1 MB) that no key
+matches stays whole on every device: the first `fit` names it.
+"""
+
+import logging
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import keras_replicator as kr
+
+
+@pytest.fixture(autouse=True)
+def no_distribution():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _model_parallel(keys):
+    devices = keras.distribution.list_devices()[:4]
+    mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in keys.items():
+        layout_map[key] = axes
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+
+
+def _fit(model, inputs=8, outputs=4):
+    x = np.ones((16, inputs), "float32")
+    y = np.ones((16, outputs), "float32")
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def _sequential():
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, name="d1"),
+            keras.layers.Dense(4, name="d2"),
+        ]
+    )
+    model.compile("adam", "mse")
+    return model
+
+
+def test_the_report_counts_what_shard_shapes_says_each_device_holds():
+    _model_parallel({".*d1/kernel": (None, "model")})
+    model = _sequential()
+    _fit(model)
+    lines = []
+    report = kr.layout_report(model, print_fn=lines.append)
+    weights = sum(
+        math.prod(next(iter(kr.shard_shapes(v).values())))
+        * np.dtype(v.dtype).itemsize
+        for v in model.weights
+    )
+    slots = sum(
+        math.prod(next(iter(kr.shard_shapes(v).values())))
+        * np.dtype(v.dtype).itemsize
+        for v in model.optimizer.variables
+    )
+    assert report.weights_bytes == weights
+    assert report.optimizer_bytes == slots
+    kernel = next(r for r in report.rows if r.path.endswith("d1/kernel"))
+    assert kernel.key == ".*d1/kernel"
+    assert kernel.block == (8, 4)
+    assert report.largest_gather_bytes == 8 * 16 * 4
+    assert kernel.path in lines[0]
+
+
+def test_a_key_that_misses_the_sequential_prefix_warns_and_is_named(caplog):
+    _model_parallel({"d1/kernel": (None, "model")})
+    model = _sequential()
+    with caplog.at_level(logging.WARNING, logger="keras_replicator"):
+        _fit(model)
+        _fit(model)
+    warnings = [r.getMessage() for r in caplog.records if "layout" in r.message]
+    assert len(warnings) == 1, warnings  # once per model
+    assert "matched no variable" in warnings[0]
+    assert "'d1/kernel'" in warnings[0]
+    assert set(kr.shard_shapes(model.get_layer("d1").kernel).values()) == {
+        (8, 16)
+    }
+
+
+class _Experts(keras.layers.Layer):
+    """A mixture-of-experts weight: (experts, in, out)."""
+
+    def build(self, input_shape):
+        self.experts = self.add_weight(
+            shape=(8, input_shape[-1], 256), name="experts"
+        )
+
+    def call(self, x):
+        return keras.ops.mean(
+            keras.ops.einsum("bi,eio->beo", x, self.experts), axis=1
+        )
+
+
+def test_a_large_moe_weight_no_key_matches_warns(caplog):
+    _model_parallel({".*dense/kernel": (None, "model")})
+    model = keras.Sequential(
+        [keras.Input((256,)), _Experts(name="moe"), keras.layers.Dense(4)]
+    )
+    model.compile("adam", "mse")
+    with caplog.at_level(logging.WARNING, logger="keras_replicator"):
+        _fit(model, inputs=256)
+    (warning,) = [
+        r.getMessage() for r in caplog.records if "layout" in r.message
+    ]
+    assert "/moe/experts (8, 256, 256) (2.0 MB)" in warning
+    assert "stay whole on every device" in warning
+
+
+def test_no_warning_for_a_map_that_shards_what_it_names(caplog):
+    _model_parallel({".*d1/kernel": (None, "model")})
+    model = _sequential()
+    with caplog.at_level(logging.WARNING, logger="keras_replicator"):
+        _fit(model)
+    assert not [r for r in caplog.records if "layout map" in r.message]
+
+
+def test_an_unbuilt_model_is_refused():
+    with pytest.raises(ValueError, match="Received: model="):
+        kr.layout_report(keras.Sequential([keras.layers.Dense(2)]))
