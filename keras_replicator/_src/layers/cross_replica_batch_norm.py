@@ -27,6 +27,9 @@ of those four examples, not an average of per-replica moments.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import keras
 import tensorflow as tf
 
@@ -185,3 +188,44 @@ def sync_moments(layer, inputs, mask):
         shift=layer.moving_mean,
     )
     return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+
+@contextlib.contextmanager
+def global_moments(model):
+    """While open, every `BatchNormalization` of `model` is cross-replica.
+
+    The layers get `sync_moments` in place (as `kr.callbacks.SyncBatchNorm`
+    gives them) and the train function is traced anew on entry and on exit,
+    so `fit` inside the block normalizes over the global batch and a later
+    `fit` outside it does not. Layers already cross-replica are left as
+    they are.
+
+    Args:
+        model: A Keras model.
+
+    Yields:
+        The layers it converted.
+    """
+    layers = [
+        layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if isinstance(layer, keras.layers.BatchNormalization)
+        and not isinstance(layer, CrossReplicaBatchNormalization)
+        and "_moments" not in vars(layer)
+    ]
+    if not layers:
+        yield layers
+        return
+    for layer in layers:
+        # An instance attribute Keras' tracking neither sees nor saves.
+        object.__setattr__(
+            layer, "_moments", functools.partial(sync_moments, layer)
+        )
+    model.train_function = None
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            if "_moments" in vars(layer):
+                object.__delattr__(layer, "_moments")
+        model.train_function = None

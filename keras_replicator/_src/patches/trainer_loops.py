@@ -19,6 +19,9 @@ Several behaviours need these entry points, and one patch owns them:
   replica cannot hold the all-gathers that read those variables. Keras'
   own `"auto"` resolves to False under tf.distribute. Its layers that own
   such variables are rematerialised for `fit` (`sharding/remat.py`).
+- Under `keras.distribution` (`DataParallel`, `ModelParallel`),
+  `BatchNormalization` normalizes over the global batch in `fit`, as on
+  JAX (`layers/cross_replica_batch_norm.global_moments`).
 - At a model's first `fit` under `ModelParallel`, a warning names the
   layout map keys that matched nothing and the large variables it leaves
   whole (`sharding/report.py`).
@@ -29,12 +32,14 @@ Everything else, including every model under no strategy or a stock
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
+from keras_replicator._src.layers import cross_replica_batch_norm
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
@@ -72,6 +77,19 @@ def _check_jit(model, name):
         )
 
 
+def _batch_statistics(model, strategy):
+    """Global batch statistics under `keras.distribution`, as on JAX.
+
+    On JAX one program runs over the whole mesh, so `BatchNormalization`
+    under `DataParallel` or `ModelParallel` normalizes over the global
+    batch. The replicator of a distribution does the same; a plain
+    replicator keeps tf.distribute's per-replica statistics.
+    """
+    if getattr(strategy, placements.DISTRIBUTION_ATTR, None) is None:
+        return contextlib.nullcontext()
+    return cross_replica_batch_norm.global_moments(model)
+
+
 def _dispatch(name):
     def method(original, self, *args, **kwargs):
         replicator = _loops(self)
@@ -93,7 +111,7 @@ def _dispatch(name):
             # Once per model: what its ModelParallel layout map missed.
             report.warn_once(self)
         if name == "fit":
-            with preemption.fit_scope(self):
+            with preemption.fit_scope(self), _batch_statistics(self, strategy):
                 with hang_watchdog.watching(
                     strategy, name, preemption.position(self)
                 ):
