@@ -489,3 +489,31 @@ def test_tf_train_checkpoint_holds_whole_values_and_export_is_refused(
     np.testing.assert_array_equal(kernel.numpy(), expected)
     with pytest.raises(NotImplementedError, match="SavedModel"):
         model.export(str(tmp_path / "exported"))
+
+
+def test_bfloat16_weights_train_under_model_parallel_as_data_parallel():
+    # keras-hub's presets are bfloat16; TensorFlow's CPU all-gather takes
+    # no bfloat16, so blocks travel as their bits.
+    def train(distribution):
+        keras.distribution.set_distribution(distribution)
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, name="d1", dtype="bfloat16"),
+                keras.layers.Dense(4, name="d2", dtype="bfloat16"),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        x = np.random.default_rng(0).normal(size=(32, 8))
+        model.fit(x, x[:, :4], batch_size=16, shuffle=False, verbose=0)
+        weights = [np.asarray(w, np.float32) for w in model.get_weights()]
+        keras.distribution.set_distribution(None)
+        return weights
+
+    devices = keras.distribution.list_devices()[:4]
+    sharded = train(_model_parallel((1, 4), {".*kernel": (None, "model")}))
+    replicated = train(keras.distribution.DataParallel(devices=devices))
+    # To bfloat16's precision (8 bits of mantissa): the sums round apart.
+    for a, b in zip(sharded, replicated, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=2e-3)

@@ -137,11 +137,38 @@ def all_gather_equal(
     Returns:
         A rank-1 tensor of `num_replicas_in_sync` times the shard's length.
     """
+    dtype = shard.dtype
+    if dtype not in _GATHER_DTYPES:
+        # TensorFlow's CPU gather takes only these dtypes: bfloat16 (the
+        # dtype of keras-hub's presets) travels as float16 bits, unchanged;
+        # others as a wider type that holds them exactly.
+        wide = tf.float16 if dtype.size == 2 else _wider(dtype)
+        moved = (
+            tf.bitcast(shard, wide)
+            if wide.size == dtype.size
+            else tf.cast(shard, wide)
+        )
+        gathered = all_gather_equal(ctx, moved)
+        if wide.size == dtype.size:
+            return tf.bitcast(gathered, dtype)
+        return tf.cast(gathered, dtype)
     launcher = _launcher(ctx)
     if launcher is None:
         return ctx.all_gather(shard, axis=0)
     with tf.name_scope("allgather"):
         return launcher._all_gather(shard, None)
+
+
+# What `CollectiveGatherV2` takes on the CPU.
+_GATHER_DTYPES = frozenset(
+    {tf.float16, tf.float32, tf.float64, tf.int32, tf.int64}
+)
+
+
+def _wider(dtype):
+    if dtype.is_floating:
+        return tf.float64 if dtype.size > 4 else tf.float32
+    return tf.int64 if dtype.size > 4 else tf.int32
 
 
 def _launcher(ctx):
