@@ -149,3 +149,64 @@ def test_each_process_writes_its_blocks_and_any_mesh_loads_them(tmp_path):
             keras.distribution.set_distribution(None)
         for a, b in zip(trained, loaded, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+SLOW_PEER = """
+import os, sys, time
+import keras, numpy as np
+import keras_replicator as kr
+from keras_replicator._src.sharding import checkpoint
+from tests.multi_worker import harness
+
+out = sys.argv[1]
+keras.distribution.initialize()
+devices = keras.distribution.list_devices()
+mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices)
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map[".*kernel"] = (None, "model")
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map,
+                                     batch_dim_name="batch"))
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8)])
+model.compile("adam", "mse")
+index = int(os.environ["TF_CONFIG"].split('"index": ')[1][0])
+if index == 1:
+    # This process's disk is slow: its part takes 6 s to write.
+    write_part = checkpoint._write_part
+
+    def slow(*args):
+        time.sleep(6)
+        write_part(*args)
+
+    checkpoint._write_part = slow
+handle = kr.save_checkpoint(model, os.path.join(out, "ckpt"))
+# Meanwhile this process's own work goes on: the longest pause between
+# two 10 ms sleeps, while the other process is still writing.
+gaps, last = [], time.monotonic()
+while not handle.done():
+    time.sleep(0.01)
+    now = time.monotonic()
+    gaps.append(now - last)
+    last = now
+handle.wait()
+harness.write_result({"index": index, "longest_pause": max(gaps)})
+"""
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+def test_waiting_for_a_slow_peer_does_not_stop_this_process(tmp_path):
+    # The coordination service's barrier holds Python's GIL while it
+    # waits; the writer thread must not use it, or process 0's training
+    # would stop until process 1 has written.
+    results = harness.run_workers(
+        SLOW_PEER,
+        num_workers=2,
+        replicas_per_worker=1,
+        timeout=200,
+        args=[str(tmp_path)],
+    )
+    chief = next(r.result for r in results if r.result["index"] == 0)
+    assert chief["longest_pause"] < 3, chief
+    index = json.loads((tmp_path / "ckpt/index.json").read_text())
+    assert index["processes"] == 2

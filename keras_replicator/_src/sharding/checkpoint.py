@@ -15,10 +15,14 @@ directory/
   that holds a block writes it). A replicated variable (`DataParallel`, a
   plain replicator, a variable no layout splits, optimizer counters) is
   written once, by process 0. Each block carries a CRC-32.
-- **The index is the commit.** After every process has written and synced
-  its files (a barrier of the coordination service over several
-  processes), process 0 merges the parts into `index.json.tmp` and renames
-  it over `index.json`. A crash or SIGTERM before the rename leaves the
+- **The index is the commit.** Once every process has written and synced
+  its files (process 0 sees each part's `process-<k>.json`, renamed into
+  place last), process 0 merges the parts into `index.json.tmp` and renames
+  it over `index.json`. The other processes' saves end when the index names
+  theirs. These waits poll the files: the coordination service's barrier
+  holds Python's GIL while it waits, which would stop training; one
+  barrier at the start of a save, in the caller's thread, only makes sure
+  process 0 has emptied the save's folder first. A crash or SIGTERM before the rename leaves the
   previous index, which names only files of a complete checkpoint; the
   previous checkpoint's files are removed only after the rename.
 - **Asynchronous saves.** `save` copies this process's blocks to host
@@ -51,6 +55,7 @@ import os
 import pathlib
 import shutil
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -250,11 +255,14 @@ def _write_part(folder, process, parts) -> None:
             manifest[key] = {**entry, "blocks": written}
         f.flush()
         os.fsync(f.fileno())
+    # Renamed into place: process 0 reads a part once its name exists.
     part = folder / f"process-{process}.json"
-    with open(part, "w") as f:
+    temporary = folder / f"process-{process}.json.tmp"
+    with open(temporary, "w") as f:
         json.dump(manifest, f)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(temporary, part)
 
 
 def _sync_folder(folder) -> None:
@@ -334,6 +342,26 @@ def _commit(
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _begin(directory, name, process, processes, timeout) -> None:
+    """In the caller's thread: an empty folder for the save, seen by all.
+
+    Process 0 removes what a save that never committed (a crash) left
+    under this name, then every process passes a barrier, so nobody
+    writes into the folder before it is clean. Barrier ids are used once
+    per cluster: the save's number among this cluster's saves (every
+    process makes them in the same order; a save of one process alone does
+    not count) keeps a retried name apart.
+    """
+    folder = directory / name
+    if process == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    if processes > 1:
+        number = next(_save_numbers)
+        _barrier(f"{number}/{name}/begin", processes, timeout)
+        folder.mkdir(parents=True, exist_ok=True)
+
+
 def _write(
     directory,
     name,
@@ -345,25 +373,58 @@ def _write(
     timeout,
     on_commit,
 ):
-    # Barrier ids are used once per cluster: the number of the save among
-    # this cluster's saves (every process makes them in the same order;
-    # a save of one process alone does not count) keeps a retried name
-    # apart.
-    number = next(_save_numbers) if processes > 1 else 0
+    """Writes this process's part; process 0 then commits the index.
+
+    Runs in the background thread. The waits here poll files with sleeps
+    rather than the coordination service's barrier, which holds Python's
+    GIL while it waits and would stop this process's training meanwhile.
+    """
     folder = directory / name
-    if process == 0:
-        if folder.exists():
-            # A save that never committed (a crash) left it.
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-    _barrier(f"{number}/{name}/folder", processes, timeout)
-    folder.mkdir(parents=True, exist_ok=True)
     _write_part(folder, process, parts)
     _sync_folder(folder)
-    _barrier(f"{number}/{name}/written", processes, timeout)
     if process == 0:
+        _wait_for(
+            lambda: all(
+                (folder / f"process-{k}.json").exists()
+                for k in range(processes)
+            ),
+            timeout,
+            f"every process's part of {folder}",
+            directory,
+        )
         _commit(directory, name, processes, metadata, on_commit, sequence)
-    _barrier(f"{number}/{name}/indexed", processes, timeout)
+    else:
+        # Done when the index names this save: the next save reads it.
+        _wait_for(
+            lambda: _committed(directory, sequence),
+            timeout,
+            f"process 0's index of {folder}",
+            directory,
+        )
+
+
+def _committed(directory, sequence) -> bool:
+    try:
+        index = _read_index(directory)
+    except (ValueError, OSError):
+        return False  # Being replaced (a reader between writes) or absent.
+    return index is not None and index.get("sequence", -1) >= sequence
+
+
+def _wait_for(condition, timeout, what, directory) -> None:
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"A sharded checkpoint is written by every process: call "
+                f"`save_checkpoint` on every process, at the same point, "
+                f"with a directory every process sees (one host's disk, or "
+                f"a shared file system). {what} did not appear within "
+                f"{timeout:g} s. Received: directory={str(directory)!r}"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
 
 
 def _read_index(directory) -> dict | None:
@@ -469,6 +530,7 @@ def save(
     strategy = _strategy_of(variables.values())
     process, processes = _process(strategy)
     name, sequence = _name(model, directory, step)
+    _begin(directory, name, process, processes, timeout_seconds)
     parts = {
         key: _host_blocks(key, variable, process)
         for key, variable in variables.items()
