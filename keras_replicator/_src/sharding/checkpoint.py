@@ -22,9 +22,10 @@ directory/
   theirs. These waits poll the files: the coordination service's barrier
   holds Python's GIL while it waits, which would stop training; one
   barrier at the start of a save, in the caller's thread, only makes sure
-  process 0 has emptied the save's folder first. A crash or SIGTERM before the rename leaves the
-  previous index, which names only files of a complete checkpoint; the
-  previous checkpoint's files are removed only after the rename.
+  process 0 has emptied the save's folder first. A crash or SIGTERM
+  before the rename leaves the previous index, which names only files of a
+  complete checkpoint; the previous checkpoint's files are removed only
+  after the rename.
 - **Asynchronous saves.** `save` copies this process's blocks to host
   memory and returns; a background thread writes the files and the index.
   The next `save` (or a `load`) first waits for the previous one.
