@@ -3,9 +3,10 @@
 One fit, preempted twice: a (1, 4) mesh `("batch", "model")` in this
 process stopped by SIGTERM at a step; resumed on 2 workers (`keras-replicator
 launch`, 2 replicas each, a (2, 2) mesh: batch across the workers, model
-inside each) and stopped there by SIGTERM inside an epoch; resumed in this
-process under the (1, 4) mesh again to the end. One process group covers
-both directions.
+inside each) and stopped there by SIGTERM inside an epoch; that backup
+resumed to the end on 4 workers of one device each ((1, 4) mesh), under
+`DataParallel(4)`, on one device, and in this process under the (1, 4)
+mesh again. One process group covers both directions.
 
 Backups are sharded checkpoints (every process writes the blocks it holds,
 no gather), which each mesh reads with one device's numbers, so both end
@@ -15,9 +16,11 @@ Workers run `workers/distribution_preempt_worker.py`.
 
 import json
 import os
+import shutil
 import signal
 
 import keras
+import numpy as np
 import pytest
 
 from keras_replicator._src.core import env as env_names
@@ -54,11 +57,25 @@ def one_device():
     return model.get_weights()
 
 
-def _fit_on_one_host(backup, at_step=None):
-    """The workers' fit under a (1, 4) mesh here; weights, steps trained."""
+def _fit_on_one_host(backup, at_step=None, distribution="mesh"):
+    """The workers' fit here; weights, steps trained.
+
+    `distribution`: "mesh" (a (1, 4) mesh), "data_parallel" (4 devices) or
+    "one_device".
+    """
     devices = keras.distribution.list_devices()[:4]
     keras.distribution.set_distribution(
-        reference.preempt_distribution((1, 4), devices)
+        {
+            "mesh": lambda: reference.preempt_distribution((1, 4), devices),
+            "data_parallel": lambda: keras.distribution.DataParallel(
+                devices=devices
+            ),
+            # One device as keras.distribution has it (the backup's exact
+            # resume needs one of our strategies: see Limits).
+            "one_device": lambda: keras.distribution.DataParallel(
+                devices=devices[:1]
+            ),
+        }[distribution]()
     )
     try:
         model = reference.build_preempt()
@@ -133,7 +150,28 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
             assert len(files) == 2, entry
     assert not (backup / "latest.weights.h5").exists()
 
-    # One host, (1, 4) again: the rest.
+    # The workers' sharded backup resumes anywhere: 4 processes of one
+    # device each on a (1, 4) mesh, DataParallel(4) and one device here
+    # (each from a copy), and one host's (1, 4) mesh: the rest, with one
+    # device's weights each time.
+    for where in ("4x1", "data_parallel", "one_device"):
+        copy = tmp_path / f"backup_{where}"
+        shutil.copytree(backup, copy)
+        if where == "4x1":
+            run = harness.Background(
+                harness.launch_command(WORKER, [str(copy)], 4, 1),
+                tmp_path,
+                "four",
+                {**os.environ, **BASE_ENV, "PREEMPT_MESH": "1,4"},
+            )
+            assert run.wait(timeout=240) == 0, run.output()[-4000:]
+            results = [run.result(i) for i in range(4)]
+            weights = [np.asarray(w) for w in results[0]["weights"]]
+            trained = results[0]["trained"]
+        else:
+            weights, trained = _fit_on_one_host(copy, distribution=where)
+        assert ref.step_of(trained[0]) == saved, where
+        assert_weights_close(weights, one_device)
     weights, trained = _fit_on_one_host(backup)
     assert ref.step_of(trained[0]) == saved
     assert len(trained) == ref.TOTAL_STEPS - saved

@@ -1,7 +1,8 @@
 """Worker of test_distribution_resume.py: ModelParallel fit, backed up.
 
 argv: <backup dir>. `keras.distribution.initialize()`, `ModelParallel` on
-a (batch 2 across processes) x (model 2 inside a process) mesh, then the
+a (batch 2 across processes) x (model 2 inside a process) mesh (another
+with `PREEMPT_MESH`, such as `1,4` over 4 processes of one device), then the
 plain `BackupAndRestore` fit of `preempt_reference`'s data
 (`distribution_reference.preempt_dataset`). With `PREEMPT_MARK` and
 `PREEMPT_MARK_STEP` it writes its pid to the mark after that step and
@@ -22,7 +23,8 @@ from tests.multi_worker import harness
 from tests.multi_worker import preempt_reference as ref
 
 keras.distribution.initialize()
-keras.distribution.set_distribution(reference.preempt_distribution((2, 2)))
+mesh = tuple(int(n) for n in os.environ.get("PREEMPT_MESH", "2,2").split(","))
+keras.distribution.set_distribution(reference.preempt_distribution(mesh))
 mark = os.environ.get("PREEMPT_MARK")
 mark_step = int(os.environ.get("PREEMPT_MARK_STEP", "0"))
 slow = float(os.environ.get("PREEMPT_SLOW", "0.3"))
