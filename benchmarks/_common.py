@@ -163,3 +163,62 @@ def cifar_convnet():
 
 
 MODELS = {"cifar": cifar_convnet, "small": small_convnet}
+
+
+def rss_mb() -> tuple[float, float]:
+    """This process's resident memory now and at its peak, in MB (Linux)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return (
+        int(fields["VmRSS"].split()[0]) / 1024,
+        int(fields["VmHWM"].split()[0]) / 1024,
+    )
+
+
+def reset_peak() -> None:
+    """Starts a new peak: VmHWM becomes the current RSS (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run_processes(command, workers, timeout=900):
+    """Runs `command` in one process, or N via `keras-replicator launch`.
+
+    Each process prints one `RESULT <json>` line; N > 1 processes get one
+    device each (`--replicas-per-worker 1`).
+
+    Returns:
+        The parsed results, one per process.
+    """
+    import json
+    import sys
+
+    if workers > 1:
+        launcher = os.path.join(
+            os.path.dirname(sys.executable), "keras-replicator"
+        )
+        command = [
+            launcher,
+            "launch",
+            "--workers",
+            str(workers),
+            "--replicas-per-worker",
+            "1",
+            "--",
+            *command,
+        ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    results = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in done.stdout.splitlines()
+        if "RESULT " in line
+    ]
+    if done.returncode or len(results) != workers:
+        raise RuntimeError(
+            f"{workers} process(es) failed (exit {done.returncode}):\n"
+            + done.stdout[-3000:]
+            + done.stderr[-3000:]
+        )
+    return results

@@ -42,6 +42,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import label  # noqa: E402
+from _common import reset_peak  # noqa: E402
+from _common import rss_mb  # noqa: E402
+from _common import run_processes  # noqa: E402
 
 STAGES = {"mlp": ("build", "slots", "fit"), "gemma": ("load", "fit")}
 GEMMA = dict(
@@ -56,20 +59,6 @@ GEMMA = dict(
 )
 
 
-def _rss():
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return (
-        int(fields["VmRSS"].split()[0]) / 1024,
-        int(fields["VmHWM"].split()[0]) / 1024,
-    )
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _worker(args):
     import keras
     import numpy as np
@@ -79,14 +68,14 @@ def _worker(args):
 
     if args.workers > 1:
         keras.distribution.initialize()
-    base, _ = _rss()
-    _reset_peak()
+    base, _ = rss_mb()
+    reset_peak()
     out = {}
 
     def stage(name):
-        now, peak = _rss()
+        now, peak = rss_mb()
         out[name] = [round(now - base), round(peak - base)]
-        _reset_peak()
+        reset_peak()
 
     if args.model == "gemma":
         _gemma(args, stage, out)
@@ -200,35 +189,7 @@ def _run(args, workers):
         "--preset",
         str(args.preset),
     ]
-    if workers > 1:
-        launcher = os.path.join(
-            os.path.dirname(sys.executable), "keras-replicator"
-        )
-        command = [
-            launcher,
-            "launch",
-            "--workers",
-            str(workers),
-            "--replicas-per-worker",
-            "1",
-            "--",
-            *command,
-        ]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, check=False
-    )
-    results = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for line in done.stdout.splitlines()
-        if "RESULT " in line
-    ]
-    if done.returncode or len(results) != workers:
-        raise RuntimeError(
-            f"{workers} process(es) failed (exit {done.returncode}):\n"
-            + done.stdout[-3000:]
-            + done.stderr[-3000:]
-        )
-    return results
+    return run_processes(command, workers)
 
 
 def main():

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,20 +39,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import label  # noqa: E402
-
-
-def _rss():
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return (
-        int(fields["VmRSS"].split()[0]) / 1024,
-        int(fields["VmHWM"].split()[0]) / 1024,
-    )
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from _common import reset_peak  # noqa: E402
+from _common import rss_mb  # noqa: E402
+from _common import run_processes  # noqa: E402
 
 
 def _process_index():
@@ -147,12 +135,12 @@ def _worker(args):
     started = time.perf_counter()
     model.save_weights(whole_path)
     out["whole_seconds"] = time.perf_counter() - started
-    before, _ = _rss()
-    _reset_peak()
+    before, _ = rss_mb()
+    reset_peak()
     started = time.perf_counter()
     kr.save_checkpoint(model, directory).wait()
     out["sharded_seconds"] = time.perf_counter() - started
-    _, peak = _rss()
+    _, peak = rss_mb()
     out["save_peak_rise_mb"] = peak - before
     with open(os.path.join(directory, "index.json")) as f:
         index = json.load(f)
@@ -239,34 +227,7 @@ def _run(args, workers, out):
         f"--backup-steps={args.backup_steps}",
         f"--out={out}",
     ] + (["--backups"] if args.backups else [])
-    if workers > 1:
-        launcher = os.path.join(
-            os.path.dirname(sys.executable), "keras-replicator"
-        )
-        command = [
-            launcher,
-            "launch",
-            "--workers",
-            str(workers),
-            "--replicas-per-worker",
-            "1",
-            "--",
-            *command,
-        ]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=1800, check=False
-    )
-    results = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for line in done.stdout.splitlines()
-        if "RESULT " in line
-    ]
-    if done.returncode or len(results) != workers:
-        raise RuntimeError(
-            f"{workers} process(es) failed (exit {done.returncode}):\n"
-            + done.stdout[-3000:]
-            + done.stderr[-3000:]
-        )
+    results = run_processes(command, workers, timeout=1800)
     return sorted(results, key=lambda r: r["process"])
 
 
