@@ -455,7 +455,46 @@ def test_distribute_tensor_and_device_count():
         assert keras.distribution.get_device_count() == 8
     layout = keras.distribution.TensorLayout(("batch", None), _mesh((4, 2)))
     x = tf.ones((4, 3))
+    # A batch layout: the whole batch, which each step cuts itself.
     assert keras.distribution.distribute_tensor(x, layout) is x
+    # Another dimension split outside a step: refused, never ignored.
+    split = keras.distribution.TensorLayout((None, "model"), _mesh((4, 2)))
+    with pytest.raises(NotImplementedError, match="batch") as info:
+        keras.distribution.distribute_tensor(tf.ones((4, 2)), split)
+    assert "Received: layout axes=(None, 'model')" in str(info.value)
+
+
+def test_keras_hub_generate_under_model_parallel_gives_one_devices_tokens():
+    # keras-hub's generate lays its inputs out with distribute_tensor.
+    import runpy
+
+    import keras_hub
+
+    example = runpy.run_path(
+        str(
+            __import__("pathlib").Path(__file__).resolve().parents[1]
+            / "examples/gemma_model_parallel.py"
+        )
+    )
+    prompt = {
+        "token_ids": np.ones((4, 8), "int32"),
+        "padding_mask": np.arange(8)[None, :].repeat(4, 0) < 2,
+    }
+
+    def generate():
+        model = example["build_model"]()
+        out = model.generate(prompt, max_length=8, stop_token_ids=None)
+        return np.asarray(out["token_ids"])
+
+    one_device = generate()
+    mesh = _mesh((1, 4))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+            batch_dim_name="batch",
+        )
+    )
+    np.testing.assert_array_equal(generate(), one_device)
 
 
 def test_a_constraint_on_a_sharded_variable_is_refused():

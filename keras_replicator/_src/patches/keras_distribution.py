@@ -111,8 +111,37 @@ def _initialize(
 
 
 def _distribute_tensor(original, tensor, layout):
-    # Every replica computes on its slice of the batch: a layout of an
-    # activation has nothing to change.
+    """What `keras.distribution.distribute_tensor` means here.
+
+    Compute is data-parallel over every device of the mesh: a step cuts
+    each global batch into the replicas' slices itself. So:
+
+    - inside a replica step (a `"<layer>/output"` layout of an activation)
+      the tensor is already this device's slice of the batch: a hint with
+      nothing to change, returned as it is;
+    - outside one (keras-hub's `generate` lays its inputs out with
+      `get_data_layout`), a layout that splits at most the first (batch)
+      dimension is the whole batch the next step cuts: returned as it is;
+    - a layout that splits any other dimension outside a step asks for a
+      tensor stored in blocks, which only variables are here: refused.
+    """
+    in_step = (
+        tf.distribute.has_strategy()
+        and tf.distribute.get_replica_context() is not None
+    )
+    if in_step:
+        return tensor
+    axes = tuple(getattr(layout, "axes", None) or ())
+    if any(axis is not None for axis in axes[1:]):
+        raise NotImplementedError(
+            "On TensorFlow, keras-replicator lays out tensors along the "
+            "batch (their first dimension) only: each step cuts the batch "
+            "over the mesh's devices, and only variables are stored in "
+            "blocks. A layout that splits another dimension is supported "
+            "for variables (a LayoutMap) and, inside a step, as an output "
+            f"hint. Received: layout axes={axes}, tensor shape="
+            f"{tuple(getattr(tensor, 'shape', ()))}"
+        )
     return tensor
 
 
