@@ -18,13 +18,14 @@ directory/
 - **The index is the commit.** Once every process has written and synced
   its files (process 0 sees each part's `process-<k>.json`, renamed into
   place last), process 0 merges the parts into `index.json.tmp` and renames
-  it over `index.json`. The other processes' saves end when the index names
-  theirs. These waits poll the files: the coordination service's barrier
-  holds Python's GIL while it waits, which would stop training; one
-  barrier at the start of a save, in the caller's thread, only makes sure
-  process 0 has emptied the save's folder first. A crash or SIGTERM
-  before the rename leaves the previous index, which names only files of a
-  complete checkpoint; the previous checkpoint's files are removed only
+  it over `index.json`; another process's save ends with its part. Process
+  0 waits by polling the files: the coordination service's barrier holds
+  Python's GIL while it waits, which would stop training. Two barriers at
+  the start of a save, in the caller's thread, make sure every process's
+  previous save is done (so all read the same index and name the save
+  alike) and that process 0 has emptied its folder. A crash or SIGTERM
+  before the rename leaves the previous index, which names only files of
+  a complete checkpoint; the previous checkpoint's files are removed only
   after the rename.
 - **Asynchronous saves.** `save` copies this process's blocks to host
   memory and returns; a background thread writes the files and the index.
@@ -343,22 +344,38 @@ def _commit(
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _begin(directory, name, process, processes, timeout) -> None:
+def _agree(processes, timeout) -> int:
+    """In the caller's thread: every process's previous save is done.
+
+    Over several processes a barrier: process 0 reaches it only after its
+    previous save committed its index (`wait_for_saves`), so every process
+    then reads the same index and names the new save alike. Barrier ids
+    are used once per cluster: the save's number among this cluster's
+    saves (every process makes them in the same order; a save of one
+    process alone does not count) keeps them apart.
+
+    Returns:
+        The save's number (0 in one process).
+    """
+    if processes == 1:
+        return 0
+    number = next(_save_numbers)
+    _barrier(f"{number}/previous_done", processes, timeout)
+    return number
+
+
+def _begin(directory, name, process, processes, timeout, number) -> None:
     """In the caller's thread: an empty folder for the save, seen by all.
 
     Process 0 removes what a save that never committed (a crash) left
-    under this name, then every process passes a barrier, so nobody
-    writes into the folder before it is clean. Barrier ids are used once
-    per cluster: the save's number among this cluster's saves (every
-    process makes them in the same order; a save of one process alone does
-    not count) keeps a retried name apart.
+    under this name; a barrier then makes sure nobody writes into the
+    folder before it is clean.
     """
     folder = directory / name
     if process == 0:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     if processes > 1:
-        number = next(_save_numbers)
         _barrier(f"{number}/{name}/begin", processes, timeout)
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -394,22 +411,10 @@ def _write(
             directory,
         )
         _commit(directory, name, processes, metadata, on_commit, sequence)
-    else:
-        # Done when the index names this save: the next save reads it.
-        _wait_for(
-            lambda: _committed(directory, sequence),
-            timeout,
-            f"process 0's index of {folder}",
-            directory,
-        )
-
-
-def _committed(directory, sequence) -> bool:
-    try:
-        index = _read_index(directory)
-    except (ValueError, OSError):
-        return False  # Being replaced (a reader between writes) or absent.
-    return index is not None and index.get("sequence", -1) >= sequence
+    # The other processes are done once their part is written: the next
+    # save's first barrier waits for process 0's commit. (Waiting here for
+    # the index could outlive it: at the end of a fit process 0 commits,
+    # then `BackupAndRestore` deletes the backup.)
 
 
 def _wait_for(condition, timeout, what, directory) -> None:
@@ -530,8 +535,9 @@ def save(
     variables = _variables(model)
     strategy = _strategy_of(variables.values())
     process, processes = _process(strategy)
+    number = _agree(processes, timeout_seconds)
     name, sequence = _name(model, directory, step)
-    _begin(directory, name, process, processes, timeout_seconds)
+    _begin(directory, name, process, processes, timeout_seconds, number)
     parts = {
         key: _host_blocks(key, variable, process)
         for key, variable in variables.items()
