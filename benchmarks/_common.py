@@ -222,3 +222,30 @@ def run_processes(command, workers, timeout=900):
             + done.stderr[-3000:]
         )
     return results
+
+
+def sharded_mlp(width, layers, processes):
+    """`layers` x Dense(`width`), seeded; every kernel `(None, "model")`.
+
+    With several processes, `ModelParallel` on a (1, N) mesh over all of
+    their devices is set first. Not compiled.
+    """
+    import keras
+
+    if processes > 1:
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh(
+            (1, len(devices)), ("batch", "model"), devices
+        )
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*kernel"] = (None, "model")
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch"
+            )
+        )
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, name=f"d{i}") for i in range(layers)]
+    )

@@ -45,6 +45,7 @@ from _common import label  # noqa: E402
 from _common import reset_peak  # noqa: E402
 from _common import rss_mb  # noqa: E402
 from _common import run_processes  # noqa: E402
+from _common import sharded_mlp  # noqa: E402
 
 STAGES = {"mlp": ("build", "slots", "fit"), "gemma": ("load", "fit")}
 GEMMA = dict(
@@ -80,26 +81,7 @@ def _worker(args):
     if args.model == "gemma":
         _gemma(args, stage, out)
         return
-    if args.workers > 1:
-        devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh(
-            (1, len(devices)), ("batch", "model"), devices
-        )
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map[".*kernel"] = (None, "model")
-        keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(
-                layout_map=layout_map, batch_dim_name="batch"
-            )
-        )
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((args.width,))]
-        + [
-            keras.layers.Dense(args.width, name=f"d{i}")
-            for i in range(args.layers)
-        ]
-    )
+    model = sharded_mlp(args.width, args.layers, args.workers)
     stage("build")
     model.compile(keras.optimizers.Adam(1e-4), "mse")
     model.optimizer.build(model.trainable_variables)
