@@ -57,7 +57,7 @@ def _data():
     return x, y
 
 
-def _model(width=WIDTH):
+def _model(width=WIDTH, jit_compile=False):
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
         [
@@ -66,7 +66,7 @@ def _model(width=WIDTH):
             keras.layers.Dense(4, name="d1"),
         ]
     )
-    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=jit_compile)
     return model
 
 
@@ -254,9 +254,17 @@ def test_a_save_that_fails_leaves_the_previous_checkpoint(
     assert folders == ["ckpt-4"]
 
 
-def test_a_save_returns_before_its_files_are_written(tmp_path, monkeypatch):
-    keras.distribution.set_distribution(_model_parallel((1, 4)))
-    model = _model()
+@pytest.mark.parametrize(
+    "mesh, jit_compile",
+    # XLA refuses sharded variables, so it runs on one device.
+    [((1, 4), False), (None, True)],
+)
+def test_a_save_returns_before_its_files_are_written(
+    tmp_path, monkeypatch, mesh, jit_compile
+):
+    distribution = mesh and _model_parallel(mesh)
+    keras.distribution.set_distribution(distribution)
+    model = _model(jit_compile=jit_compile)
     _fit(model)
     release = threading.Event()
     original = checkpoint._write_part
@@ -267,14 +275,15 @@ def test_a_save_returns_before_its_files_are_written(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "_write_part", slow)
     handle = kr.save_checkpoint(model, tmp_path / "ckpt")
-    # The blocks are host copies: training on does not change the save.
+    # The blocks are snapshots that share the variables' buffers (no
+    # copy): training on, compiled by XLA or not, must not change them.
     expected = _state(model)
     _fit(model)
     assert not handle.done()
     assert not (tmp_path / "ckpt/index.json").exists()
     release.set()
     handle.wait()
-    fresh = _fresh_on(_model_parallel((1, 4)))
+    fresh = _fresh_on(distribution)
     kr.load_checkpoint(fresh, tmp_path / "ckpt")
     _assert_same(_state(fresh), expected)
 

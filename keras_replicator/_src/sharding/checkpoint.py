@@ -166,6 +166,18 @@ def _process(strategy) -> tuple[int, int]:
     )
 
 
+def _snapshot(component) -> np.ndarray:
+    """A host value of one variable component, as it is now.
+
+    On the CPU this copies nothing: the array holds the variable's buffer,
+    and TensorFlow's updates copy a buffer that is still read before they
+    write (copy-on-write), so later steps never change the array. The save
+    thus costs the step no copy at all, and an updated variable costs one,
+    in its update. Elsewhere `np.asarray` copies the value to the host.
+    """
+    return np.asarray(component.value())
+
+
 def _first_copy(variable) -> np.ndarray:
     """This process's first copy of a replicated variable.
 
@@ -174,7 +186,7 @@ def _first_copy(variable) -> np.ndarray:
     """
     inner = getattr(variable, "_value", variable)
     copies = getattr(inner, "values", None) or (inner,)
-    return copies[0].numpy()
+    return _snapshot(copies[0])
 
 
 def _numpy_dtype(name: str):
@@ -201,7 +213,7 @@ def _host_blocks(key, variable, process) -> tuple[dict, list]:
     blocks = []
     if placement is None:
         if process == 0:
-            value = np.array(_first_copy(variable), copy=True)
+            value = _first_copy(variable)
             blocks.append(([0] * len(shape), value))
         return entry, blocks
     entry["layout"] = [
@@ -218,7 +230,7 @@ def _host_blocks(key, variable, process) -> tuple[dict, list]:
     ):
         begin = placement.begin(r)
         if owners[begin] == r:
-            blocks.append((list(begin), np.array(component.numpy(), copy=True)))
+            blocks.append((list(begin), _snapshot(component)))
     return entry, blocks
 
 
