@@ -42,8 +42,15 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras.src import distribution as keras_src_distribution
+from keras.src.backend.common import global_state
 from keras.src.backend.tensorflow import distribution_lib as backend_lib
 from keras.src.distribution import distribution_lib
+
+# Keras' own way to read a dataset's static batch size (its
+# `Distribution.distribute_tf_dataset` uses it too); no public API has it.
+from tensorflow.python.data.experimental.ops import (  # noqa: I001
+    distribute as _tf_data_distribute,
+)
 
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
@@ -55,6 +62,10 @@ _initializer: Callable[..., None] | None = None
 _processes: Callable[[], Any] | None = None
 # The strategy `set_distribution` made current, to drop it again.
 _current: list[Any] = []
+_INDIVISIBLE_BATCH = (
+    "The global batch size must divide by the number of processes: each "
+    "process takes an equal part of every batch."
+)
 
 
 def set_replicator_factory(factory: Callable[[Any], Any]) -> None:
@@ -116,20 +127,25 @@ def _distribute_tensor(original, tensor, layout):
     Compute is data-parallel over every device of the mesh: a step cuts
     each global batch into the replicas' slices itself. So:
 
-    - inside a replica step (a `"<layer>/output"` layout of an activation)
-      the tensor is already this device's slice of the batch: a hint with
-      nothing to change, returned as it is;
-    - outside one (keras-hub's `generate` lays its inputs out with
+    - inside a replica step the tensor is already this device's slice of
+      the batch: a hint with nothing to change, returned as it is;
+    - inside a Keras layer call (a `"<layer>/output"` layout, which
+      `Layer.__call__` applies to the layer's output) it is a hint too,
+      also outside a step: Keras calls the model outside one when it
+      builds it before the first `fit` (`_symbolic_build`), and so may the
+      user (`model(x)`). Refusing there made a `LayoutMap` with an output
+      key that splits another axis (`(None, "model")`) fail `fit`;
+    - outside both (keras-hub's `generate` lays its inputs out with
       `get_data_layout`), a layout that splits at most the first (batch)
       dimension is the whole batch the next step cuts: returned as it is;
-    - a layout that splits any other dimension outside a step asks for a
+    - a layout that splits any other dimension outside both asks for a
       tensor stored in blocks, which only variables are here: refused.
     """
     in_step = (
         tf.distribute.has_strategy()
         and tf.distribute.get_replica_context() is not None
     )
-    if in_step:
+    if in_step or _in_layer_call():
         return tensor
     axes = tuple(getattr(layout, "axes", None) or ())
     if any(axis is not None for axis in axes[1:]):
@@ -138,11 +154,16 @@ def _distribute_tensor(original, tensor, layout):
             "batch (their first dimension) only: each step cuts the batch "
             "over the mesh's devices, and only variables are stored in "
             "blocks. A layout that splits another dimension is supported "
-            "for variables (a LayoutMap) and, inside a step, as an output "
-            f"hint. Received: layout axes={axes}, tensor shape="
+            "for variables (a LayoutMap) and as a layer's output hint. "
+            f"Received: layout axes={axes}, tensor shape="
             f"{tuple(getattr(tensor, 'shape', ()))}"
         )
     return tensor
+
+
+def _in_layer_call() -> bool:
+    """Whether a Keras `Layer.__call__` is running on this thread."""
+    return global_state.get_global_attribute("current_call_ctx") is not None
 
 
 def _distribute_data_input(
@@ -192,7 +213,35 @@ def _distribute_dataset_keras_3_10(original, self, dataset):
 
 
 def _cut_by_process(dataset, count, index):
-    """Process `index` of `count` takes its part of every global batch."""
+    """Process `index` of `count` takes its part of every global batch.
+
+    Raises:
+        ValueError: As Keras' own cut does, before any data is read: for a
+            dataset of unbatched scalars, and for a static global batch size
+            that does not divide by the processes. A batch whose size is
+            known only at run time is checked there (a partial last batch).
+    """
+    specs = tf.nest.flatten(dataset.element_spec)
+    if any(
+        getattr(s, "shape", None) is None or s.shape.rank == 0 for s in specs
+    ):
+        raise ValueError(
+            "The batch size of the input dataset is unknown: its elements "
+            "are not batched. Batch it with its global batch size (e.g. "
+            "`dataset.batch(batch_size)`); each process takes its part of "
+            f"every batch. Received: element_spec={dataset.element_spec}"
+        )
+    try:
+        size = int(_tf_data_distribute.compute_batch_size(dataset))
+    except (ValueError, TypeError, IndexError):
+        # An element structure TensorFlow cannot read a batch size from:
+        # left to the run-time check below, as an unknown size is.
+        size = -1
+    if size > 0 and size % count:
+        raise ValueError(
+            f"{_INDIVISIBLE_BATCH} Received: num_processes={count}, "
+            f"global_batch_size={size}"
+        )
 
     def cut(*element):
         element = element[0] if len(element) == 1 else element
@@ -200,8 +249,7 @@ def _cut_by_process(dataset, count, index):
         check = tf.debugging.Assert(
             tf.equal(size % count, 0),
             [
-                "The global batch size must divide by the number of "
-                f"processes. Received: num_processes={count}, "
+                f"{_INDIVISIBLE_BATCH} Received: num_processes={count}, "
                 "global_batch_size=",
                 size,
             ],
@@ -360,6 +408,17 @@ PATCH = registry.register(
             registry.Pin(
                 "keras.src.backend.tensorflow.distribution_lib",
                 ("def list_devices(device_type=None):",),
+            ),
+            # `_in_layer_call`: a layer's output hint is applied while its
+            # call context is open.
+            registry.Pin(
+                "keras.src.layers.layer",
+                (
+                    "layout = distribution.get_tensor_layout("
+                    "current_layer_path)",
+                    "layer_call_ctx = global_state.get_global_attribute("
+                    '"current_call_ctx")',
+                ),
             ),
         ),
         delete_when=(

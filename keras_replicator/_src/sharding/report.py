@@ -53,7 +53,10 @@ class LayoutReport:
         optimizer_bytes: The optimizer's variables on each device.
         largest_gather_bytes: The largest full value a step gathers (the
             largest sharded variable), a transient on each device.
-        unmatched_keys: Layout map keys that matched no variable.
+        unmatched_keys: Layout map keys that matched no variable. A key
+            for layer outputs (Keras looks a layer's output up as
+            `"<layer path>/output"`; such a key ends in `output`) is not
+            one: it names activations, never variables.
     """
 
     rows: tuple[Row, ...]
@@ -167,7 +170,9 @@ def layout_report(model: Any, print_fn=print) -> LayoutReport:
         weights_bytes=sum(r.bytes_per_device for r in rows if not r.optimizer),
         optimizer_bytes=sum(r.bytes_per_device for r in rows if r.optimizer),
         largest_gather_bytes=max(sharded, default=0),
-        unmatched_keys=tuple(k for k in keys if k not in used),
+        unmatched_keys=tuple(
+            k for k in keys if k not in used and not k.endswith("output")
+        ),
     )
     if print_fn is not None:
         print_fn(str(report))
