@@ -40,6 +40,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
 from keras_replicator._src.layers import cross_replica_batch_norm
+from keras_replicator._src.layers import global_dropout
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
@@ -78,16 +79,20 @@ def _check_jit(model, name):
 
 
 def _batch_statistics(model, strategy):
-    """Global batch statistics under `keras.distribution`, as on JAX.
+    """Global batch statistics and dropout masks under `keras.distribution`.
 
     On JAX one program runs over the whole mesh, so `BatchNormalization`
     under `DataParallel` or `ModelParallel` normalizes over the global
-    batch. The replicator of a distribution does the same; a plain
-    replicator keeps tf.distribute's per-replica statistics.
+    batch and `Dropout` draws the global batch's mask, one device's. The
+    replicator of a distribution does the same; a plain replicator keeps
+    tf.distribute's per-replica statistics and masks.
     """
     if getattr(strategy, placements.DISTRIBUTION_ATTR, None) is None:
         return contextlib.nullcontext()
-    return cross_replica_batch_norm.global_moments(model)
+    stack = contextlib.ExitStack()
+    stack.enter_context(cross_replica_batch_norm.global_moments(model))
+    stack.enter_context(global_dropout.global_masks(model))
+    return stack
 
 
 def _dispatch(name):

@@ -1,0 +1,110 @@
+"""Dropout masks under `keras.distribution` are the global batch's.
+
+On JAX one program runs over the whole mesh and draws the global batch's
+dropout mask once, so `DataParallel` and `ModelParallel` train to one
+device's weights with dropout on. The same here: an MLP with `Dropout`
+(and one with a `noise_shape` that shares a mask along the features), fit
+on 4 devices under `DataParallel(4)` and under `ModelParallel` (a (2, 2)
+mesh), equals one device (1e-5). A plain `LocalReplicator` keeps
+tf.distribute's draws (every replica the same mask for its own slice): it
+equals stock `MirroredStrategy`, and both differ from one device.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_replicator as kr
+from keras_replicator._src.layers import global_dropout
+
+
+@pytest.fixture(autouse=True)
+def no_distribution():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _train(scope=None, noise_shape=None):
+    keras.utils.set_random_seed(5)
+    with scope or _nothing():
+        model = keras.Sequential(
+            [
+                keras.Input((3, 8)),
+                keras.layers.Dense(16, activation="relu", name="d0"),
+                keras.layers.Dropout(0.5, noise_shape=noise_shape, seed=11),
+                keras.layers.Flatten(),
+                keras.layers.Dense(4, name="d1"),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3, 8)).astype("float32")
+    y = rng.normal(size=(64, 4)).astype("float32")
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return [np.array(w) for w in model.get_weights()], history.history["loss"]
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *args):
+        return False
+
+
+def _close(a, b, tol=1e-5):
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
+
+
+def _far(a, b):
+    return max(
+        float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _model_parallel():
+    devices = keras.distribution.list_devices()[:4]
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*d0/kernel"] = (None, "model")
+    layout_map[".*d1/kernel"] = ("model", None)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+def _data_parallel():
+    devices = keras.distribution.list_devices()[:4]
+    return keras.distribution.DataParallel(devices=devices)
+
+
+@pytest.mark.parametrize("noise_shape", [None, (None, 3, 1)])
+@pytest.mark.parametrize("distribution", [_data_parallel, _model_parallel])
+def test_a_distribution_draws_one_devices_masks(distribution, noise_shape):
+    weights, losses = _train(noise_shape=noise_shape)
+    keras.distribution.set_distribution(distribution())
+    ours, our_losses = _train(noise_shape=noise_shape)
+    _close(ours, weights)
+    np.testing.assert_allclose(our_losses, losses, rtol=1e-5)
+
+
+def test_a_plain_replicator_draws_as_stock():
+    weights, _ = _train()
+    ours, _ = _train(kr.LocalReplicator(4).scope())
+    devices = [f"/cpu:{i}" for i in range(4)]
+    stock, _ = _train(tf.distribute.MirroredStrategy(devices).scope())
+    _close(ours, stock)
+    # Every replica the same mask for its slice: not one device's draws.
+    assert _far(ours, weights) > 1e-2
+
+
+def test_the_layers_are_put_back_after_fit():
+    keras.distribution.set_distribution(_data_parallel())
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5)])
+    with global_dropout.global_masks(model) as layers:
+        assert "call" in vars(layers[0])
+    assert "call" not in vars(model.layers[0])
