@@ -155,3 +155,72 @@ def test_load_weights_cuts_blocks_from_the_files_arrays(tmp_path, monkeypatch):
     assert kr.shard_shapes(kernel)["cpu:0"] == (8, 3)
     for a, b in zip(one.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("max_shard_size", [None, 0.004])
+def test_load_weights_maps_large_values_instead_of_reading_them(
+    tmp_path, monkeypatch, dtype, max_shard_size
+):
+    """Values of 1 MB or more reach `assign` as read-only maps of the file.
+
+    Keras 3.12+ reads each value whole into a NumPy array; under
+    ModelParallel the file's value is mapped instead, so only the blocks
+    are read. Also from Keras' sharded h5 files (`max_shard_size` in GB:
+    4 MB here, so the two large values sit in different files).
+    """
+    if max_shard_size and keras.version() < "3.12":
+        # Keras 3.10 itself refuses this file in this test ("the saved
+        # optimizer has 2 variables"), with or without the map.
+        pytest.skip(f"Keras {keras.version()} misreads sharded h5 files here")
+
+    def build():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential(
+            [
+                keras.Input((512,)),
+                keras.layers.Dense(1024, name="h", dtype=dtype),
+                keras.layers.Dense(1024, name="o", dtype=dtype),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(), "mse")
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    one = build()
+    one.fit(np.ones((8, 512)), np.ones((8, 1024)), verbose=0)
+    if max_shard_size:
+        path = tmp_path / "one.weights.json"
+        one.save_weights(path, max_shard_size=max_shard_size)
+        assert len(list(tmp_path.glob("one_*.weights.h5"))) > 1
+    else:
+        path = tmp_path / "one.weights.h5"
+        one.save_weights(path)
+    assigned = {}
+    assign = sharded.assign
+
+    def spy(variable, value):
+        assigned[variable.path] = type(value).__name__
+        return assign(variable, value)
+
+    monkeypatch.setattr(sharded, "assign", spy)
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), (None, "model"))
+    )
+    try:
+        model = build()
+        assigned.clear()
+        model.load_weights(path)
+        loaded = model.get_weights()
+    finally:
+        keras.distribution.set_distribution(None)
+    # Each kernel (2 or 4 MB) and its 2 Adam slots: maps, not arrays.
+    assert len(assigned) == 6 and set(assigned.values()) == {"memmap"}, assigned
+    for a, b in zip(one.get_weights(), loaded, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    # Without a distribution, Keras reads as it does.
+    plain = build()
+    plain.load_weights(path)
+    for a, b in zip(one.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

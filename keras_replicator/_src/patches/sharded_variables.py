@@ -19,6 +19,11 @@ the replicator of a `ModelParallel` distribution (`distribution/runtime.py`):
   `get_weights`, `save_weights` and `model.save` see whole values.
 - `Variable.handle` is the stored block's (what `GradientTape` watches).
 - `Variable._direct_assign` cuts a full value into blocks.
+- `H5IOStore.__getitem__` (a `.weights.h5` value, also of a sharded h5
+  file) under `ModelParallel` is a read-only memory map of the value's
+  bytes where one can mean it exactly (`sharding/sharded.mapped_dataset`),
+  so loading reads only this process's blocks of a split variable instead
+  of Keras 3.12+'s whole NumPy copy.
 - `TFOptimizer._var_key` keys a sharded variable by its storage, as it
   keys every other variable.
 - `BaseOptimizer._clip_gradients` (`clipnorm`, `global_clipnorm`) takes the
@@ -40,7 +45,9 @@ import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
+from keras.src.distribution import distribution_lib
 from keras.src.optimizers import base_optimizer
+from keras.src.saving import saving_lib
 
 from keras_replicator._src import collectives
 from keras_replicator._src.core import placements
@@ -299,6 +306,26 @@ _LAYOUT_TARGETS = (
     else ()
 )
 
+
+def _h5_value(original, self, key):
+    """A file value as a memory map under `ModelParallel`, else as stock."""
+    if not isinstance(
+        distribution_lib.distribution(), distribution_lib.ModelParallel
+    ):
+        return original(self, key)
+    # Keras' own checks (no links, no external data) where it has them.
+    get = getattr(saving_lib, "safe_get_h5_dataset", None)
+    group = self._h5_entry_group
+    try:
+        dataset = get(group, key) if get else group[key]
+    except Exception:  # Stock raises its own error for it.
+        return original(self, key)
+    if not hasattr(dataset, "id"):
+        return original(self, key)
+    mapped = sharded.mapped_dataset(dataset)
+    return original(self, key) if mapped is None else mapped
+
+
 PATCH = registry.register(
     registry.Patch(
         name="sharded_variables",
@@ -340,6 +367,7 @@ PATCH = registry.register(
                     "_copy_trackable_to_cpu",
                 )
             ),
+            registry.Target(saving_lib.H5IOStore, "__getitem__", _h5_value),
             registry.Target(tf_optimizer.TFOptimizer, "_var_key", _var_key),
             registry.Target(
                 _Base, "_backend_apply_gradients", _backend_apply_gradients
@@ -349,6 +377,11 @@ PATCH = registry.register(
         ),
         applies_to=KINDS,
         pins=(
+            # `_h5_value` reads the store's current group of values.
+            registry.Pin(
+                "keras.src.saving.saving_lib",
+                ("self._h5_entry_group = {}",),
+            ),
             registry.Pin(
                 "keras.src.backend.tensorflow.core",
                 (

@@ -270,6 +270,49 @@ def _gather_blocks(strategy, stored, placement) -> tf.Tensor:
     )
 
 
+# Datasets smaller than this are read whole: mapping them saves nothing.
+_MAP_AT_BYTES = 1 << 20
+
+
+def mapped_dataset(dataset: Any) -> np.ndarray | None:
+    """A read-only memory map of an h5py dataset's bytes, or None.
+
+    Keras 3.12 and later read every value of a `.weights.h5` file whole, as a
+    NumPy array, before `assign` sees it: under `ModelParallel` a process
+    then holds the largest variable of the model whole for a moment (the
+    embedding table of a language model). A map is an array too, so every
+    caller works unchanged, and `assign` reads only this process's blocks
+    from it (`Placement.block` slices it). Only what a map can mean exactly:
+    a file on disk (h5py's default driver), stored contiguously (no chunks,
+    so no compression or other filter), of a plain numeric dtype or Keras'
+    bfloat16 (stored as 2 opaque bytes); anything else returns None, and
+    the caller reads it whole.
+    """
+    dtype = dataset.dtype
+    if dtype.kind == "V" and dataset.attrs.get("dtype") == "bfloat16":
+        if dtype.itemsize != 2:
+            return None
+        dtype = np.dtype(tf.bfloat16.as_numpy_dtype)
+    elif dtype.kind not in "biuf":
+        return None
+    if (
+        dataset.file.driver != "sec2"
+        or dataset.chunks is not None
+        or dataset.size * dtype.itemsize < _MAP_AT_BYTES
+    ):
+        return None
+    offset = dataset.id.get_offset()
+    if offset is None:  # Allocated lazily: never written.
+        return None
+    return np.memmap(
+        dataset.file.filename,
+        dtype=dtype,
+        mode="r",
+        offset=offset,
+        shape=dataset.shape,
+    )
+
+
 def is_file_array(value: Any) -> bool:
     """A NumPy array, or an h5py dataset (read only where it is sliced)."""
     if isinstance(value, np.ndarray):
