@@ -56,6 +56,7 @@ import logging
 import os
 import pathlib
 import shutil
+import sys
 import threading
 import time
 import zlib
@@ -561,6 +562,7 @@ def save(
     handle = CheckpointSave(directory, name)
 
     def run():
+        _yield_to_training()
         try:
             _write(*arguments, timeout_seconds, on_commit)
         except BaseException as error:  # Re-raised by `wait()`.
@@ -582,6 +584,25 @@ def save(
         _pending.append(handle)
     thread.start()
     return handle
+
+
+def _yield_to_training() -> None:
+    """Lowers this (writer) thread's CPU priority, where the OS allows it.
+
+    The writer's checksums and copies into the page cache compete with
+    the training step for the cores; at the lowest priority (nice 19) it
+    takes what the step leaves, so the step stays as fast as without a
+    save, and the save finishes as fast as without training once the
+    caller waits for it. Linux only: there a thread is a task of its own,
+    and `setpriority` on its id leaves the rest of the process as it was.
+    Elsewhere the writer runs at the process's priority.
+    """
+    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
 
 
 class _Reader:
