@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import pytest
 
+import keras_replicator as kr
 from keras_replicator._src.core import env as env_names
 from keras_replicator._src.training import preemption
 from tests.helpers import assert_weights_close
@@ -92,6 +93,35 @@ def _fit_on_one_host(backup, at_step=None, distribution="mesh"):
         keras.distribution.set_distribution(None)
 
 
+def _shard_shapes_on_two_by_two():
+    """`kr.shard_shapes` of every checkpointed variable on the (2, 2) mesh.
+
+    The workers' mesh, built here on 4 devices: keyed as the checkpoint's
+    index keys them (`model/<i>`, `optimizer/<i>`), each a list of the
+    blocks' shapes in device order.
+    """
+    devices = keras.distribution.list_devices()[:4]
+    keras.distribution.set_distribution(
+        reference.preempt_distribution((2, 2), devices)
+    )
+    try:
+        model = reference.build_preempt()
+        model.optimizer.build(model.trainable_variables)
+        shapes = {
+            f"model/{i}": list(kr.shard_shapes(v).values())
+            for i, v in enumerate(model.weights)
+        }
+        shapes.update(
+            {
+                f"optimizer/{i}": list(kr.shard_shapes(v).values())
+                for i, v in enumerate(model.optimizer.variables)
+            }
+        )
+        return shapes
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def _launch(backup, tmp_path, name, env=None):
     return harness.Background(
         harness.launch_command(WORKER, [str(backup)], 2, 2),
@@ -143,11 +173,23 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
     # variable (worker 1 holds copies), so its file has them all.
     index = json.loads((backup / "sharded/index.json").read_text())
     assert index["processes"] == 2
-    for entry in index["variables"].values():
+    shard_shapes = _shard_shapes_on_two_by_two()
+    written = 0
+    for key, entry in index["variables"].items():
         files = [b["file"].rpartition("/")[2] for b in entry["blocks"]]
         assert files == ["process-0.bin"] * len(files), entry["path"]
         if entry["layout"] is not None:
             assert len(files) == 2, entry
+        # Each block is what kr.shard_shapes says a device holds.
+        assert {tuple(b["shape"]) for b in entry["blocks"]} == {
+            tuple(s) for s in shard_shapes[key]
+        }, key
+        written += sum(b["nbytes"] for b in entry["blocks"])
+    # Process 0's file is its blocks and nothing else; process 1's is empty.
+    folder = backup / "sharded" / index["checkpoint"]
+    assert (folder / "process-0.bin").stat().st_size == written
+    part = folder / "process-1.bin"
+    assert not part.exists() or part.stat().st_size == 0
     assert not (backup / "latest.weights.h5").exists()
 
     # The workers' sharded backup resumes anywhere: 4 processes of one
