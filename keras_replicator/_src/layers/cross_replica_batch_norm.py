@@ -28,12 +28,12 @@ of those four examples, not an average of per-replica moments.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import keras
 import tensorflow as tf
 
 from keras_replicator._src import collectives
+from keras_replicator._src.layers import in_place
 
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
 
@@ -213,19 +213,5 @@ def global_moments(model):
         and not isinstance(layer, CrossReplicaBatchNormalization)
         and "_moments" not in vars(layer)
     ]
-    if not layers:
+    with in_place.overridden(model, layers, "_moments", sync_moments):
         yield layers
-        return
-    for layer in layers:
-        # An instance attribute Keras' tracking neither sees nor saves.
-        object.__setattr__(
-            layer, "_moments", functools.partial(sync_moments, layer)
-        )
-    model.train_function = None
-    try:
-        yield layers
-    finally:
-        for layer in layers:
-            if "_moments" in vars(layer):
-                object.__delattr__(layer, "_moments")
-        model.train_function = None

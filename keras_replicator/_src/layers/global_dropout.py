@@ -21,10 +21,11 @@ splits unevenly gets valid, independent masks, not one device's.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import keras
 import tensorflow as tf
+
+from keras_replicator._src.layers import in_place
 
 
 def _global_call(layer, inputs, training=False):
@@ -79,19 +80,5 @@ def global_masks(model):
         and type(layer).call is keras.layers.Dropout.call
         and "call" not in vars(layer)
     ]
-    if not layers:
+    with in_place.overridden(model, layers, "call", _global_call):
         yield layers
-        return
-    for layer in layers:
-        # An instance attribute Keras' tracking neither sees nor saves.
-        object.__setattr__(
-            layer, "call", functools.partial(_global_call, layer)
-        )
-    model.train_function = None
-    try:
-        yield layers
-    finally:
-        for layer in layers:
-            if "call" in vars(layer):
-                object.__delattr__(layer, "call")
-        model.train_function = None
