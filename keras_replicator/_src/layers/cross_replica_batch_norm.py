@@ -27,8 +27,6 @@ of those four examples, not an average of per-replica moments.
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
@@ -190,21 +188,29 @@ def sync_moments(layer, inputs, mask):
     return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
 
 
-@contextlib.contextmanager
-def global_moments(model):
-    """While open, every `BatchNormalization` of `model` is cross-replica.
+def _global_moments(layer, inputs, mask):
+    """`_moments` over the global batch under a `keras.distribution`."""
+    if in_place.under_distribution():
+        return sync_moments(layer, inputs, mask)
+    return type(layer)._moments(layer, inputs, mask)
 
-    The layers get `sync_moments` in place (as `kr.callbacks.SyncBatchNorm`
-    gives them) and the train function is traced anew on entry and on exit,
-    so `fit` inside the block normalizes over the global batch and a later
-    `fit` outside it does not. Layers already cross-replica are left as
-    they are.
+
+def use_global_moments(model) -> bool:
+    """Makes `model`'s `BatchNormalization` layers global under a distribution.
+
+    From now on, traced under a `keras.distribution`, they normalize over
+    the global batch. The layers get `_global_moments` in place (as
+    `kr.callbacks.SyncBatchNorm` gives them `sync_moments`): under a
+    distribution's replicator it is `sync_moments`, anywhere else Keras'
+    own. Layers already cross-replica
+    are left as they are.
 
     Args:
         model: A Keras model.
 
-    Yields:
-        The layers it converted.
+    Returns:
+        Whether a layer was changed now (the train function must be traced
+        anew).
     """
     layers = [
         layer
@@ -213,5 +219,4 @@ def global_moments(model):
         and not isinstance(layer, CrossReplicaBatchNormalization)
         and "_moments" not in vars(layer)
     ]
-    with in_place.overridden(model, layers, "_moments", sync_moments):
-        yield layers
+    return in_place.install(layers, "_moments", _global_moments)

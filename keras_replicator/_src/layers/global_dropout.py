@@ -8,77 +8,82 @@ independent draws (stock `MirroredStrategy` does exactly this). On JAX,
 `keras.distribution` runs one program over the whole mesh and draws the
 global batch's mask once, which is one device's mask.
 
-`global_masks(model)` gives a model's `Dropout` layers that meaning for the
-length of a `fit` under `keras.distribution`: each replica draws the mask
-of the whole global batch from the same seed (the seed generator advances
-once, as on one device) and keeps the rows of its slice. The cost is the
-random numbers of the global batch on every replica, a transient N times
-the slice's mask; nothing is communicated. Exact when the global batch
-splits evenly over the replicas (every full batch); a last batch that
-splits unevenly gets valid, independent masks, not one device's.
+`use_global_masks(model)` gives a model's `Dropout` layers that meaning
+under `keras.distribution`: each replica learns every replica's number of
+rows (one all-gather of a scalar per layer and step), draws the mask of
+the whole global batch from the same seed (the seed generator advances
+once, as on one device) and keeps the rows of its slice. That is one
+device's mask for any split, a partial last batch included. The cost is
+the random numbers of the global batch on every replica: a transient of
+the global batch's mask, N times the slice's.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
+from keras_replicator._src import collectives
 from keras_replicator._src.layers import in_place
 
 
 def _global_call(layer, inputs, training=False):
-    """`Dropout.call`, with the mask of the global batch's rows."""
+    """`Dropout.call`, with the global batch's mask under a distribution."""
     if not training or layer.rate <= 0:
         return inputs
     ctx = tf.distribute.get_replica_context()
     noise = layer.noise_shape
+    rank = inputs.shape.rank
     if (
         ctx is None
         or ctx.num_replicas_in_sync == 1
-        or (noise is not None and noise[0] == 1)
+        or not in_place.under_distribution()
+        or rank is None
+        # Broadcast from the right without the batch axis, or one mask for
+        # every example: the same on every replica as on one device.
+        or (noise is not None and (len(noise) != rank or noise[0] == 1))
     ):
-        # One replica, or a mask the same for every example: as drawn.
         return type(layer).call(layer, inputs, training=training)
     shape = tf.shape(inputs)
     rows = shape[0]
+    counts = collectives.all_gather_equal(
+        ctx, tf.reshape(tf.cast(rows, tf.int32), [1])
+    )
+    replica = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
+    start = tf.reduce_sum(counts[:replica])
     dims = [
         shape[i] if noise is None or noise[i] is None else noise[i]
-        for i in range(1, len(inputs.shape))
+        for i in range(1, rank)
     ]
-    global_shape = tf.stack([rows * ctx.num_replicas_in_sync, *dims])
     # One device's draw: the same op and seed over the global batch.
     mask = keras.random.dropout(
-        tf.ones(global_shape, inputs.dtype),
+        tf.ones(tf.stack([tf.reduce_sum(counts), *dims]), inputs.dtype),
         layer.rate,
         seed=layer.seed_generator,
-    )
-    start = tf.cast(ctx.replica_id_in_sync_group, tf.int32) * rows
-    return inputs * mask[start : start + rows]
+    )[start : start + rows]
+    # As stock: dropped entries are 0 whatever the input (inf too).
+    return tf.where(mask > 0, inputs * mask, tf.zeros_like(inputs))
 
 
-@contextlib.contextmanager
-def global_masks(model):
-    """While open, every `Dropout` of `model` draws the global batch's mask.
+def use_global_masks(model) -> bool:
+    """Makes `model`'s `Dropout` layers draw global masks under a distribution.
 
-    The train function is traced anew on entry and on exit, so `fit` inside
-    the block draws one device's masks and a later `fit` outside it draws
-    as stock Keras does. Subclasses of `Dropout` with a `call` of their own
+    From now on, traced under a `keras.distribution`, they draw the global
+    batch's mask. Anywhere else the layer draws as stock Keras does.
+    Subclasses of `Dropout` with a `call` of their own (`SpatialDropout*`)
     are left as they are.
 
     Args:
         model: A Keras model.
 
-    Yields:
-        The layers it changed.
+    Returns:
+        Whether a layer was changed now (the train function must be traced
+        anew).
     """
     layers = [
         layer
         for layer in model._flatten_layers(include_self=True, recursive=True)
         if isinstance(layer, keras.layers.Dropout)
         and type(layer).call is keras.layers.Dropout.call
-        and "call" not in vars(layer)
     ]
-    with in_place.overridden(model, layers, "call", _global_call):
-        yield layers
+    return in_place.install(layers, "call", _global_call)

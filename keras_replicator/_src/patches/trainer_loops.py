@@ -32,7 +32,6 @@ Everything else, including every model under no strategy or a stock
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 from keras.src.backend.tensorflow import trainer as tf_trainer
@@ -78,21 +77,23 @@ def _check_jit(model, name):
         )
 
 
-def _batch_statistics(model, strategy):
+def _batch_statistics(model, strategy) -> None:
     """Global batch statistics and dropout masks under `keras.distribution`.
 
     On JAX one program runs over the whole mesh, so `BatchNormalization`
     under `DataParallel` or `ModelParallel` normalizes over the global
     batch and `Dropout` draws the global batch's mask, one device's. The
-    replicator of a distribution does the same; a plain replicator keeps
-    tf.distribute's per-replica statistics and masks.
+    layers of a model fit under a distribution get overrides that do the
+    same when traced under its replicator (once: the train function is
+    traced anew only then); a plain replicator keeps tf.distribute's
+    per-replica statistics and masks.
     """
     if getattr(strategy, placements.DISTRIBUTION_ATTR, None) is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(cross_replica_batch_norm.global_moments(model))
-    stack.enter_context(global_dropout.global_masks(model))
-    return stack
+        return
+    moments = cross_replica_batch_norm.use_global_moments(model)
+    masks = global_dropout.use_global_masks(model)
+    if moments or masks:
+        model.train_function = None
 
 
 def _dispatch(name):
@@ -116,7 +117,8 @@ def _dispatch(name):
             # Once per model: what its ModelParallel layout map missed.
             report.warn_once(self)
         if name == "fit":
-            with preemption.fit_scope(self), _batch_statistics(self, strategy):
+            _batch_statistics(self, strategy)
+            with preemption.fit_scope(self):
                 with hang_watchdog.watching(
                     strategy, name, preemption.position(self)
                 ):
