@@ -9,6 +9,8 @@ value was not drawn. The per-process memory itself is measured by
 `benchmarks/capacity.py` (one device per process), not asserted here.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -224,3 +226,34 @@ def test_load_weights_maps_large_values_instead_of_reading_them(
     plain.load_weights(path)
     for a, b in zip(one.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_file_value_is_mapped_only_where_its_bytes_mean_it(tmp_path):
+    """`mapped_dataset`: a map where the raw bytes are the array, else None."""
+    import h5py
+
+    big = np.arange(1 << 18, dtype=">f4").reshape(512, 512)  # 1 MB, big-endian
+    path = tmp_path / "values.h5"
+    with h5py.File(path, "w") as f:
+        f["big_endian"] = big
+        f["small"] = np.ones((4, 4), "float32")
+        f.create_dataset("chunked", data=big.astype("<f4"), chunks=(64, 64))
+        narrow = h5py.h5t.STD_I32LE.copy()
+        narrow.set_precision(24)  # Read as int32 by h5py, converted.
+        space = h5py.h5s.create_simple((512, 512))
+        h5py.h5d.create(f.id, b"int24", narrow, space).write(
+            h5py.h5s.ALL, h5py.h5s.ALL, np.ones((512, 512), "int32")
+        )
+    with h5py.File(path, "r") as f:
+        mapped = sharded.mapped_dataset(f["big_endian"])
+        assert isinstance(mapped, np.memmap)
+        np.testing.assert_array_equal(mapped, big)
+        assert sharded.mapped_dataset(f["small"]) is None  # Under 1 MB.
+        assert sharded.mapped_dataset(f["chunked"]) is None
+        assert sharded.mapped_dataset(f["int24"]) is None
+        # Another file renamed into the path since it was opened.
+        other = tmp_path / "other.h5"
+        with h5py.File(other, "w") as g:
+            g["big_endian"] = big
+        os.replace(other, path)
+        assert sharded.mapped_dataset(f["big_endian"]) is None

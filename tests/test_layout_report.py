@@ -135,3 +135,17 @@ def test_no_warning_for_a_map_that_shards_what_it_names(caplog):
 def test_an_unbuilt_model_is_refused():
     with pytest.raises(ValueError, match="Received: model="):
         kr.layout_report(keras.Sequential([keras.layers.Dense(2)]))
+
+
+def test_output_hints_are_not_unmatched_keys_but_a_stray_key_is():
+    _model_parallel(
+        {
+            ".*d1/kernel": (None, "model"),
+            ".*d1/output": ("batch", None),  # Keras' "<layer>/output" hint.
+            ".*d2_output": ("batch", None),  # Names no variable or output.
+        }
+    )
+    model = _sequential()
+    _fit(model)
+    report = kr.layout_report(model, print_fn=None)
+    assert report.unmatched_keys == (".*d2_output",)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import h5py
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.tensorflow import core as tf_core
@@ -320,7 +321,7 @@ def _h5_value(original, self, key):
         dataset = get(group, key) if get else group[key]
     except Exception:  # Stock raises its own error for it.
         return original(self, key)
-    if not hasattr(dataset, "id"):
+    if not isinstance(dataset, h5py.Dataset):  # A group (Keras 3.10).
         return original(self, key)
     mapped = sharded.mapped_dataset(dataset)
     return original(self, key) if mapped is None else mapped

@@ -562,8 +562,8 @@ def save(
     handle = CheckpointSave(directory, name)
 
     def run():
-        _yield_to_training()
         try:
+            _yield_to_training()
             _write(*arguments, timeout_seconds, on_commit)
         except BaseException as error:  # Re-raised by `wait()`.
             handle._error = error

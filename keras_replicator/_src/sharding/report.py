@@ -122,6 +122,24 @@ def _row(variable, layout_map, optimizer: bool) -> Row:
     )
 
 
+def _names_an_output(key: str, model: Any) -> bool:
+    """Whether `key` is a layer's output hint.
+
+    Keras looks those up as `"<layer path>/output"`, as it matches variable
+    paths: the key itself, or a regex the whole path matches.
+    """
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        path = f"{layer.path}/output"
+        if key == path:
+            return True
+        try:
+            if re.fullmatch(key, path):
+                return True
+        except re.error:
+            return False
+    return False
+
+
 def layout_report(model: Any, print_fn=print) -> LayoutReport:
     """Reports where every variable of `model` lives, and the totals.
 
@@ -171,7 +189,7 @@ def layout_report(model: Any, print_fn=print) -> LayoutReport:
         optimizer_bytes=sum(r.bytes_per_device for r in rows if r.optimizer),
         largest_gather_bytes=max(sharded, default=0),
         unmatched_keys=tuple(
-            k for k in keys if k not in used and not k.endswith("output")
+            k for k in keys if k not in used and not _names_an_output(k, model)
         ),
     )
     if print_fn is not None:

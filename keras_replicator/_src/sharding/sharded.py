@@ -31,6 +31,7 @@ every process do), and an assignment writes the local blocks.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import numpy as np
@@ -288,12 +289,17 @@ def mapped_dataset(dataset: Any) -> np.ndarray | None:
     bfloat16 (stored as 2 opaque bytes); anything else returns None, and
     the caller reads it whole.
     """
+    import h5py  # Keras' own dependency for `.weights.h5`.
+
     dtype = dataset.dtype
+    stored = dataset.id.get_type()
     if dtype.kind == "V" and dataset.attrs.get("dtype") == "bfloat16":
-        if dtype.itemsize != 2:
+        if stored.get_class() != h5py.h5t.OPAQUE or stored.get_size() != 2:
             return None
         dtype = np.dtype(tf.bfloat16.as_numpy_dtype)
-    elif dtype.kind not in "biuf":
+    elif dtype.kind not in "biuf" or stored != h5py.h5t.py_create(dtype):
+        # h5py converts a stored type NumPy lacks (an integer of 24 bits)
+        # on read; the raw bytes would not mean the array.
         return None
     if (
         dataset.file.driver != "sec2"
@@ -304,13 +310,20 @@ def mapped_dataset(dataset: Any) -> np.ndarray | None:
     offset = dataset.id.get_offset()
     if offset is None:  # Allocated lazily: never written.
         return None
-    return np.memmap(
-        dataset.file.filename,
-        dtype=dtype,
-        mode="r",
-        offset=offset,
-        shape=dataset.shape,
-    )
+    path = dataset.file.filename
+    try:
+        # The file h5py has open, not another one renamed into its path
+        # since (a cache that re-downloads, an atomic writer).
+        opened = os.fstat(dataset.file.id.get_vfd_handle())
+        named = os.stat(path)
+        if (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino):
+            return None
+        return np.memmap(
+            path, dtype=dtype, mode="r", offset=offset, shape=dataset.shape
+        )
+    except (OSError, ValueError):
+        # No mmap on this file system, or a file shorter than it says.
+        return None
 
 
 def is_file_array(value: Any) -> bool:
