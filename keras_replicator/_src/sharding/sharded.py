@@ -302,7 +302,9 @@ def mapped_dataset(dataset: Any) -> np.ndarray | None:
         # on read; the raw bytes would not mean the array.
         return None
     if (
-        dataset.file.driver != "sec2"
+        # On Windows a live map would lock the file against replacement.
+        os.name == "nt"
+        or dataset.file.driver != "sec2"
         or dataset.chunks is not None
         or dataset.size * dtype.itemsize < _MAP_AT_BYTES
     ):
