@@ -89,6 +89,8 @@ def _data_parallel():
 def test_a_distribution_draws_one_devices_masks(distribution, noise_shape):
     weights, losses = _train(noise_shape=noise_shape)
     keras.distribution.set_distribution(distribution())
+    # Where it ran: 4 replicas, not a silent fall-back to one device.
+    assert tf.distribute.get_strategy().num_replicas_in_sync == 4
     ours, our_losses = _train(noise_shape=noise_shape)
     _close(ours, weights)
     np.testing.assert_allclose(our_losses, losses, rtol=1e-5)

@@ -138,6 +138,8 @@ def test_only_model_parallel_trains_under_a_cap_one_device_exceeds(tmp_path):
     for r in resumed:
         # From the backup of step 2: steps 3 and 4.
         assert r.result["trained"] == 2, r.result["trained"]
+        # Where it ran: each of the 4 devices holds a quarter of a kernel.
+        assert r.result["kernel_blocks"] == [[4096, 1024]] * PROCESSES
         for (corner, total), (want_corner, want_total) in zip(
             r.result["weights"], reference["weights"], strict=True
         ):

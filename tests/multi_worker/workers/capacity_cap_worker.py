@@ -122,5 +122,8 @@ harness.write_result(
         "trained": steps.trained,
         "peak_mb": peak_mb(),
         "weights": [summary(v) for v in model.weights],
+        "kernel_blocks": list(
+            keras_replicator.shard_shapes(model.weights[0]).values()
+        ),
     }
 )
