@@ -159,6 +159,21 @@ def all_gather_equal(
         return launcher._all_gather(shard, None)
 
 
+def all_reduce_sum(ctx: tf.distribute.ReplicaContext, value: tf.Tensor):
+    """Sums one dense tensor over the replicas, without `merge_call`.
+
+    One `CollectiveReduceV2` issued by this replica's launcher, as
+    `all_gather_equal` does, so it may sit in a `tf.cond` branch (a
+    `merge_call` may not). Eagerly, or without launchers, it is
+    `ctx.all_reduce`.
+    """
+    launcher = _launcher(ctx)
+    if launcher is None:
+        return ctx.all_reduce("SUM", value)
+    with tf.name_scope("allreduce"):
+        return launcher.all_reduce(value)
+
+
 # What `CollectiveGatherV2` takes on the CPU.
 _GATHER_DTYPES = frozenset(
     {tf.float16, tf.float32, tf.float64, tf.int32, tf.int64}

@@ -119,6 +119,25 @@ def mean_gradients(
     ]
 
 
+def replica_weights(ctx, dtype=tf.float32) -> tf.Tensor:
+    """This replica's weight in `mean_gradients`: a scalar.
+
+    `mean_gradients(g)` is `sum over replicas r of weight_r * g_r`; a
+    gradient computed from every replica's examples at once (a sharded
+    kernel's block, `sharding/matmul.py`) scales each replica's rows by it.
+    """
+    replicas = ctx.num_replicas_in_sync
+    if replicas == 1:
+        return tf.constant(1.0, dtype)
+    step = replica_step.current()
+    count = None if step is None or step.shares else step.count
+    if count is None or isinstance(count, int):
+        return tf.constant(1.0 / replicas, dtype)
+    weight = tf.cast(count, dtype) * (1.0 / replicas)
+    (total,) = collectives.all_reduce(ctx, "sum", [weight])
+    return weight * tf.math.reciprocal_no_nan(total)
+
+
 def wrapped_gradients(grads, ctx, wire_dtype=None, options=None):
     """Combines `grads` for `ReplicatedOptimizer`: averaged or summed.
 

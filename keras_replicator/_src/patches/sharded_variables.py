@@ -45,6 +45,7 @@ import h5py
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.tensorflow import core as tf_core
+from keras.src.backend.tensorflow import numpy as tf_numpy
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.distribution import distribution_lib
 from keras.src.optimizers import base_optimizer
@@ -55,6 +56,7 @@ from keras_replicator._src.core import placements
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import block_draw
+from keras_replicator._src.sharding import contraction
 from keras_replicator._src.sharding import sharded
 
 KINDS = frozenset({"local", "multi_worker"})
@@ -126,6 +128,53 @@ def _value(original, self):
     if ctx is not None and ctx.strategy is self._value.distribute_strategy:
         return self._maybe_autocast(sharded.gathered(self, ctx))
     return self._maybe_autocast(sharded.full_value(self))
+
+
+def _matmul(original, x1, x2):
+    transposed = isinstance(x2, contraction.Transposed)
+    variable = x2.variable if transposed else x2
+    ctx = contraction.in_step(variable)
+    if ctx is not None:
+        equation = contraction.matmul_equation(x1, transposed)
+        if equation and contraction.labels(equation, x1, variable):
+            return contraction.contract(equation, x1, variable, ctx)
+    if transposed:
+        x2 = x2.tensor()
+    return original(x1, x2)
+
+
+def _einsum(original, subscripts, *operands, **kwargs):
+    if len(operands) == 2 and not kwargs:
+        x, variable = operands
+        ctx = contraction.in_step(variable)
+        if (
+            ctx is not None
+            and isinstance(subscripts, str)
+            and contraction.labels(subscripts, x, variable)
+        ):
+            return contraction.contract(subscripts, x, variable, ctx)
+    return original(subscripts, *operands, **kwargs)
+
+
+def _take(original, x, indices, axis=None):
+    if axis in (0, -2):
+        ctx = contraction.in_step(x)
+        if ctx is not None:
+            found = contraction.lookup(x, indices, ctx)
+            if found is not None:
+                return found
+    return original(x, indices, axis=axis)
+
+
+def _transpose(original, x, axes=None):
+    if (
+        len(getattr(x, "shape", ())) == 2
+        and (axes is None or tuple(axes) in ((1, 0), (-1, -2), (1, -2)))
+        and contraction.in_step(x) is not None
+    ):
+        # Gathered only if something other than `matmul` reads it.
+        return contraction.Transposed(x)
+    return original(x, axes)
 
 
 def _handle(original, self):
@@ -351,6 +400,10 @@ PATCH = registry.register(
             ),
             registry.Target(_Variable, "value", _value),
             registry.Target(_Variable, "handle", _handle),
+            registry.Target(tf_numpy, "matmul", _matmul),
+            registry.Target(tf_numpy, "einsum", _einsum),
+            registry.Target(tf_numpy, "transpose", _transpose),
+            registry.Target(tf_numpy, "take", _take),
             registry.Target(_Variable, "_direct_assign", _direct_assign),
             registry.Target(_Variable, "assign", _assign),
             registry.Target(_Variable, "_shared_name", _shared_name),

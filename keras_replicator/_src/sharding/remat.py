@@ -21,7 +21,10 @@ not the table, so there is nothing to free, and `tf.recompute_grad` would
 turn its sparse gradient dense (one device's optimizer sees the sparse
 rows; Adam's numbers differ). A tied embedding (keras-hub's
 `ReversibleEmbedding` with `tie_weights=True`) also multiplies by the
-table, and its gradient is dense on one device too: it is rematerialised.
+table: that product is `sharding/contraction`'s op, which keeps no full
+table for the backward pass, so it is not rematerialised either (unless it
+casts the table first, `reverse_dtype`). Nor are a stock `Dense` or
+`EinsumDense` whose kernel only that op reads.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import tensorflow as tf
 from keras.src.backend.common import remat as keras_remat
 
 from keras_replicator._src.core import placements
+from keras_replicator._src.sharding import contraction
 
 # Marks a layer set up here (instance attribute).
 _ATTR = "_keras_replicator_remat"
@@ -48,14 +52,52 @@ def rematerialize(model: Any) -> None:
         )
         if not placements.any_sharded(own) or _sparse_lookup(layer):
             continue
+        if _contracted(layer, own):
+            continue
         layer._remat_mode = keras_remat.RematScope(mode="full")
         layer.rematerialized_call = _rematerialized_call
         setattr(layer, _ATTR, True)
 
 
+def _contracted(layer, own) -> bool:
+    """Whether the layer's only sharded read is its kernel's contraction.
+
+    A stock `Dense` or `EinsumDense` (no LoRA, not quantized) reads its
+    kernel only in `ops.matmul`/`ops.einsum`, which `sharding/contraction`
+    makes one op that gathers the kernel again in its backward pass (or
+    never): nothing to rematerialise.
+    """
+    kind = type(layer)
+    if kind.call not in (
+        keras.layers.Dense.call,
+        keras.layers.EinsumDense.call,
+    ):
+        return False
+    if getattr(layer, "lora_enabled", False) or getattr(
+        layer, "quantization_mode", None
+    ):
+        return False
+    kernel = getattr(layer, "_kernel", None)
+    if [v for v in own if placements.of(v) is not None] != [kernel]:
+        return False
+    if kind.call is keras.layers.EinsumDense.call:
+        return contraction.parse(layer.equation, len(kernel.shape)) is not None
+    return True
+
+
 def _sparse_lookup(layer) -> bool:
-    return isinstance(layer, keras.layers.Embedding) and not getattr(
-        layer, "tie_weights", False
+    if not isinstance(layer, keras.layers.Embedding):
+        return False
+    if not getattr(layer, "tie_weights", False):
+        return True
+    # keras-hub's tied `ReversibleEmbedding` multiplies by the table as
+    # `ops.matmul(x, ops.transpose(table))`, which `sharding/contraction`
+    # makes one op (the table is never held for the backward pass), unless
+    # it casts the table first (`reverse_dtype`).
+    return (
+        type(layer).__name__ == "ReversibleEmbedding"
+        and type(layer).__module__.startswith("keras_hub.")
+        and getattr(layer, "reverse_dtype", "unknown") is None
     )
 
 

@@ -1,0 +1,457 @@
+"""Products by a sharded kernel that move activations, not the kernel.
+
+`sharded.gathered` makes a sharded kernel whole on every replica for the
+op that reads it: the full kernel is gathered (in the forward pass, and
+again in the rematerialised backward pass), the full kernel gradient is
+computed on every replica, all-reduced whole and only then cut to the
+block. For a Dense layer of an (in, out) kernel that is three transients of
+`in x out` values on every replica, and an all-reduce of as many.
+
+Here `ops.matmul(x, kernel)`, `ops.matmul(x, ops.transpose(kernel))` (a
+tied embedding's logits) and `ops.einsum(equation, x, kernel)` (Dense,
+EinsumDense, keras-hub's attention and feed-forward layers) by a sharded
+kernel are one op with its own gradient, and take one of two paths, chosen
+in the graph by the step's rows (the same choice on every replica: it
+depends on the gathered row counts only):
+
+- **Activations move** when the whole mesh's rows are fewer values than the
+  kernel (`N x rows x (row of x + row of y) <= kernel size`: a language
+  model's or an MLP's small batches). Every replica gathers every
+  replica's rows of `x` (`X`), contracts them with its own block, and the
+  replicas sum their products into the full output, of which each keeps
+  its rows. In the backward pass the output gradients are gathered (`dY`):
+  each replica computes its block's gradient from `X` and `dY` directly,
+  each replica's rows weighted as the step's gradient rule weighs its
+  examples (`gradients.replica_weights`, so the block equals what
+  `gradients.mean_gradients` makes of the full gradients), and the input
+  gradient is the sum of the blocks' products. No full kernel and no full
+  kernel gradient exists anywhere; the transients are the mesh's rows.
+- **The kernel moves** otherwise (many rows): the full kernel is gathered
+  for the product and gathered again in the backward pass (so the layer
+  needs no rematerialisation), and its full gradient is averaged and cut
+  to the block, as `sharded.gathered` does.
+
+Each output element is the same contraction one device computes; only the
+order of floating-point sums may differ, as in any all-reduce. What takes
+this path: a dense `x` whose first dimension is the batch (not a kernel
+dimension) and whose trailing dimensions are the same on every replica
+(as Keras splits a global batch), in a traced step (not eagerly), of a
+kernel of float32 or float64 (what the CPU's all-reduce carries; other
+dtypes take the kernel-moving path). Anything else is left to the stock op
+and `sharded.gathered`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_replicator._src import collectives
+from keras_replicator._src import gradients
+from keras_replicator._src.core import placements
+
+# Kernel dtypes whose activations can move (the CPU collectives' types).
+_MOVING_DTYPES = frozenset({tf.float32, tf.float64})
+
+
+class Transposed:
+    """`ops.transpose(kernel)` of a sharded 2-D kernel, not yet gathered.
+
+    A tied embedding's logits are `ops.matmul(x, ops.transpose(table))`:
+    `matmul` takes this view as the table transposed. Anything else that
+    reads it converts it to a tensor: the gathered table, transposed.
+    """
+
+    def __init__(self, variable: Any):
+        self.variable = variable
+
+    @property
+    def shape(self):
+        return tf.TensorShape(self.variable.shape[::-1])
+
+    @property
+    def ndim(self):
+        return 2
+
+    @property
+    def dtype(self):
+        return read_dtype(self.variable)
+
+    def tensor(self):
+        return tf.transpose(tf.convert_to_tensor(self.variable))
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        return tf.convert_to_tensor(self.tensor(), dtype=dtype, name=name)
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.tensor(), dtype=dtype)
+
+
+def _binary(name):
+    def op(self, other):
+        return getattr(self.tensor(), name)(other)
+
+    op.__name__ = name
+    return op
+
+
+for _name in (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+    "__truediv__", "__rtruediv__", "__matmul__", "__rmatmul__",
+    "__getitem__",
+):  # fmt: skip
+    setattr(Transposed, _name, _binary(_name))
+
+
+def in_step(variable: Any):
+    """The replica context if `variable` is sharded and read in its step."""
+    if (
+        placements.of(variable) is None
+        or getattr(variable, "_value", None) is None
+        or placements.reading_locally()
+        or tf.executing_eagerly()
+    ):
+        return None
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.strategy is not variable._value.distribute_strategy:
+        return None
+    return ctx
+
+
+def parse(equation: str, kernel_rank: int) -> tuple | None:
+    """`(x, kernel, output)` labels of a contraction this module takes.
+
+    None unless `equation` contracts an `x` with a kernel of rank
+    `kernel_rank` as a dense layer does, with `x`'s first dimension a batch
+    dimension: each label appears once per operand, a kernel label in `x`
+    or in the output but not both, an `x` label not in the kernel in the
+    output, and no ellipsis.
+    """
+    if not isinstance(equation, str) or "..." in equation:
+        return None
+    if "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    if inputs.count(",") != 1:
+        return None
+    x_labels, k_labels = inputs.split(",")
+    if any(len(set(s)) != len(s) for s in (x_labels, k_labels, out)):
+        return None
+    if (
+        len(k_labels) != kernel_rank
+        or not x_labels
+        or out[:1] != x_labels[:1]
+        or x_labels[0] in k_labels
+    ):
+        return None
+    for label in k_labels:
+        if (label in x_labels) == (label in out):
+            return None
+    for label in x_labels:
+        if label not in k_labels and label not in out:
+            return None
+    for label in out:
+        if label not in x_labels and label not in k_labels:
+            return None
+    return x_labels, k_labels, out
+
+
+def labels(equation: str, x: Any, variable: Any) -> tuple | None:
+    """`parse`'s labels if `x` fits them and the kernel's read dtype."""
+    found = parse(equation, len(variable.shape))
+    if found is None or not tf.is_tensor(x) or isinstance(x, tf.SparseTensor):
+        return None
+    x_labels, k_labels, _ = found
+    if x.shape.rank != len(x_labels) or x.dtype != read_dtype(variable):
+        return None
+    for label, size in zip(k_labels, variable.shape, strict=True):
+        if label in x_labels:
+            dim = x.shape[x_labels.index(label)]
+            if dim is not None and dim != size:
+                return None
+    return found
+
+
+def read_dtype(variable) -> tf.DType:
+    """The dtype an op sees when it reads `variable` (autocast applied)."""
+    probe = tf.zeros([], variable._value.dtype)
+    return tf.as_dtype(variable._maybe_autocast(probe).dtype)
+
+
+class _Rows:
+    """The mesh's rows in a replica step: gathered, placed and summed.
+
+    Every replica's rows of a tensor are gathered padded with zeros to the
+    most any replica has (`most`), in replica order; a replica's own rows
+    of a gathered result are `own`. Made once per op, in its forward pass:
+    one gather carries every replica's row count and gradient weight
+    (`gradients.replica_weights`).
+    """
+
+    def __init__(self, ctx, placement, rows):
+        self.ctx = ctx
+        self.replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+        self.replicas = ctx.num_replicas_in_sync
+        self.primary = _primary(placement, self.replica)
+        self.rows = rows
+        self.weight = gradients.replica_weights(ctx, tf.float32)
+        meta = collectives.all_gather_equal(
+            ctx, tf.stack([tf.cast(rows, tf.float32), self.weight])
+        )
+        meta = tf.reshape(meta, [self.replicas, 2])
+        self.counts = tf.cast(meta[:, 0], tf.int32)
+        self.most = tf.reduce_max(self.counts)
+        # Per gathered row: its replica's gradient weight, and whether it
+        # is a row (not padding).
+        self.row_weights = tf.repeat(meta[:, 1], self.most)
+        self.valid = tf.reshape(
+            tf.range(self.most)[None, :] < self.counts[:, None], [-1]
+        )
+
+    def gather(self, t):
+        """Every replica's rows of `t`, each padded with zeros to `most`."""
+        padding = [[0, self.most - tf.shape(t)[0]]] + [[0, 0]] * (
+            t.shape.rank - 1
+        )
+        flat = collectives.all_gather_equal(
+            self.ctx, tf.reshape(tf.pad(t, padding), [-1])
+        )
+        return tf.reshape(
+            flat, tf.concat([[self.replicas * self.most], tf.shape(t)[1:]], 0)
+        )
+
+    def own(self, t):
+        start = self.replica * self.most
+        return t[start : start + self.rows]
+
+    def per_row(self, values, t):
+        """`values` (one per gathered row) shaped to broadcast over `t`."""
+        return tf.reshape(values, [-1] + [1] * (t.shape.rank - 1))
+
+    def summed(self, part, slices):
+        """The replicas' parts, each placed in its slices, summed.
+
+        `slices`: `(axis, begin, size, full)` of the part in the whole.
+        """
+        shape = tf.unstack(tf.shape(part))
+        padding = [[0, 0]] * part.shape.rank
+        for axis, start, size, whole in slices:
+            shape[axis] = whole
+            padding[axis] = [start, whole - start - size]
+        if self.primary:
+            canvas = tf.pad(part, padding)
+        else:
+            # Every distinct block is added once: zeros from its copies.
+            canvas = tf.zeros(tf.stack(shape), part.dtype)
+        return collectives.all_reduce_sum(self.ctx, canvas)
+
+
+def contract(equation: str, x: tf.Tensor, variable: Any, ctx) -> tf.Tensor:
+    """`einsum(equation, x, variable)` for a sharded `variable`, in its step.
+
+    `equation` must pass `labels`.
+    """
+    x_labels, k_labels, out_labels = labels(equation, x, variable)
+    placement = placements.of(variable)
+    mesh = _Rows(ctx, placement, tf.shape(x)[0])
+    begin = placement.begin(mesh.replica)
+    local = placement.local_shape
+    full = placement.full_shape
+    # The stored block; the op casts it to the compute dtype (autocast), and
+    # its gradient is reduced in the stored dtype, as one device's is.
+    stored = tf.convert_to_tensor(variable._value)
+    dtype = x.dtype
+    back = f"{out_labels},{k_labels}->{x_labels}"
+    kernel_grad = f"{x_labels},{out_labels}->{k_labels}"
+    # What one device's einsum would know of the output's shape.
+    y_static = [
+        x.shape[x_labels.index(label)]
+        if label in x_labels
+        else full[k_labels.index(label)]
+        for label in out_labels
+    ]
+
+    if dtype in _MOVING_DTYPES and stored.dtype == dtype:
+        x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
+        contracted = math.prod(
+            n
+            for n, label in zip(full, k_labels, strict=True)
+            if label in x_labels
+        )
+        free = math.prod(
+            n
+            for n, label in zip(full, k_labels, strict=True)
+            if label in out_labels
+        )
+        y_row = x_row / contracted * free
+        moving = tf.cast(mesh.replicas * mesh.most, tf.float64) * (
+            x_row + y_row
+        ) <= float(math.prod(full))
+    else:
+        moving = None
+
+    def slices(axis_labels):
+        """Per axis split by the kernel: (axis, begin, size, full)."""
+        out = []
+        for axis, label in enumerate(axis_labels):
+            if label in k_labels:
+                d = k_labels.index(label)
+                out.append((axis, begin[d], local[d], full[d]))
+        return out
+
+    def cut(t, axis_labels):
+        for axis, start, size, whole in slices(axis_labels):
+            if size != whole:
+                t = _slice(t, axis, start, size)
+        return t
+
+    def gathered_kernel(raw):
+        flat = collectives.all_gather_equal(ctx, tf.reshape(raw, [-1]))
+        kernel = placement.assemble(
+            tf.reshape(flat, [placement.num_devices, *placement.local_shape])
+        )
+        return tf.cast(kernel, dtype)
+
+    @tf.custom_gradient
+    def op(x, raw):
+        block = tf.cast(raw, dtype)
+
+        def moving_forward():
+            x_in = cut(mesh.gather(x), x_labels)
+            part = tf.einsum(equation, x_in, block)
+            return mesh.own(mesh.summed(part, slices(out_labels)))
+
+        def kernel_forward():
+            return tf.einsum(equation, x, gathered_kernel(raw))
+
+        y = _choose(moving, moving_forward, kernel_forward)
+        y.set_shape(y_static)
+
+        def grad(dy):
+            def moving_backward():
+                x_in = cut(mesh.gather(x), x_labels)
+                dy_all = cut(mesh.gather(dy), out_labels)
+                weights = tf.cast(mesh.per_row(mesh.row_weights, dy_all), dtype)
+                d_block = tf.cast(
+                    tf.einsum(kernel_grad, x_in, dy_all * weights), raw.dtype
+                )
+                dx_part = tf.einsum(back, dy_all, block)
+                dx = mesh.own(mesh.summed(dx_part, slices(x_labels)))
+                return dx, d_block
+
+            def kernel_backward():
+                dx = tf.einsum(back, dy, gathered_kernel(raw))
+                # `gradients.mean_gradients`' average, in one collective
+                # that may sit in a `tf.cond` branch.
+                d_kernel = tf.cast(tf.einsum(kernel_grad, x, dy), raw.dtype)
+                own_weight = tf.cast(mesh.weight, raw.dtype)
+                reduced = collectives.all_reduce_sum(ctx, d_kernel * own_weight)
+                return dx, placement.block(reduced, mesh.replica)
+
+            dx, d_raw = _choose(moving, moving_backward, kernel_backward)
+            dx.set_shape(x.shape)
+            d_raw.set_shape(raw.shape)
+            return dx, d_raw
+
+        return y, grad
+
+    return op(x, stored)
+
+
+def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
+    """`ops.take(variable, ids, axis=0)` for a sharded 2-D table, or None.
+
+    Rows move, never the table: every replica's ids are gathered, each
+    replica looks up the ids its block of rows holds (its columns of
+    them), and the replicas sum their lookups (one nonzero per element:
+    exact) into the full rows, of which each keeps its own. The gradient
+    is sparse, as one device's: this block's rows of every replica's
+    output gradients, in replica order, each weighted as `mean_gradients`
+    weighs its replica, with their ids (an id's repeats kept). An id
+    outside the table reads zeros, where one device's CPU lookup fails.
+
+    None (the caller reads the table whole) for ids that are not a dense
+    integer tensor of rank 1 or more.
+    """
+    placement = placements.of(variable)
+    if len(placement.full_shape) != 2:
+        return None
+    if not tf.is_tensor(ids) or isinstance(
+        ids, (tf.SparseTensor, tf.RaggedTensor)
+    ):
+        return None
+    if not ids.dtype.is_integer or ids.shape.rank in (None, 0):
+        return None
+    dtype = read_dtype(variable)
+    if not dtype.is_floating:
+        return None
+    vocabulary, _ = placement.full_shape
+    mesh = _Rows(ctx, placement, tf.shape(ids)[0])
+    v_begin, h_begin = placement.begin(mesh.replica)
+    v_local, h_local = placement.local_shape
+    hidden = placement.full_shape[1]
+    # Keras' `take`: a negative id counts from the end.
+    ids = tf.where(ids < 0, ids + tf.cast(vocabulary, ids.dtype), ids)
+    stored = tf.convert_to_tensor(variable._value)
+    ids_all = mesh.gather(ids)
+    inside = tf.logical_and(ids_all >= v_begin, ids_all < v_begin + v_local)
+    local_ids = tf.where(inside, ids_all - v_begin, tf.zeros_like(ids_all))
+
+    @tf.custom_gradient
+    def op(raw):
+        found = tf.gather(tf.cast(raw, dtype), local_ids)
+        part = tf.where(inside[..., None], found, tf.zeros_like(found))
+        y = mesh.own(
+            mesh.summed(part, [(part.shape.rank - 1, h_begin, h_local, hidden)])
+        )
+        y.set_shape(ids.shape.concatenate([hidden]))
+
+        def grad(dy):
+            dy_all = mesh.gather(dy)[..., h_begin : h_begin + h_local]
+            weights = tf.cast(mesh.per_row(mesh.row_weights, dy_all), dtype)
+            keep = tf.logical_and(inside, mesh.per_row(mesh.valid, inside))
+            keep = tf.reshape(keep, [-1])
+            values = tf.boolean_mask(
+                tf.reshape(dy_all * weights, [-1, h_local]), keep
+            )
+            indices = tf.boolean_mask(tf.reshape(local_ids, [-1]), keep)
+            return tf.IndexedSlices(
+                tf.cast(values, raw.dtype),
+                tf.cast(indices, tf.int64),
+                tf.constant(placement.local_shape, tf.int64),
+            )
+
+        return y, grad
+
+    return op(stored)
+
+
+def _choose(moving, moving_fn, kernel_fn):
+    if moving is None:
+        return kernel_fn()
+    return tf.cond(moving, moving_fn, kernel_fn)
+
+
+def _slice(t, axis, start, size):
+    index = [slice(None)] * t.shape.rank
+    index[axis] = slice(start, start + size)
+    return t[tuple(index)]
+
+
+def _primary(placement, replica: int) -> bool:
+    """Whether `replica` is the first of the replicas holding its block."""
+    coords = np.unravel_index(replica, placement.mesh_shape)
+    used = {a for a in placement.dim_axes if a is not None}
+    return all(int(c) == 0 for i, c in enumerate(coords) if i not in used)
+
+
+def matmul_equation(x: Any, transposed: bool) -> str | None:
+    """The einsum of `x @ kernel` (or `x @ kernel.T`) for a 2-D kernel."""
+    rank = getattr(getattr(x, "shape", None), "rank", None)
+    if rank is None or rank < 2 or rank > 20:
+        return None
+    lead = "abcdefghijklmnopqrst"[: rank - 1]
+    return f"{lead}y,{'zy' if transposed else 'yz'}->{lead}z"

@@ -1,0 +1,230 @@
+"""Products by sharded kernels move rows or the kernel: one device's numbers.
+
+Under `ModelParallel`, `ops.matmul`/`ops.einsum` by a sharded kernel (Dense,
+EinsumDense, a tied embedding's `matmul(x, transpose(table))`) is one op
+(`sharding/contraction.py`) that, step by step, either gathers every
+replica's rows and multiplies them by its own block (few rows) or gathers
+the kernel (many rows). The model below has layers on both sides of that
+choice, kernels split by rows, by columns, over both mesh axes and with
+copies, and its last batch is uneven (26 examples at batch 8: 2 rows over 4
+replicas, two of them with none). Weights, optimizer state and every logged
+number equal one device's: in float64 to 1e-10 (so the paths compute what
+one device computes, only summed in another order), in float32 to float
+tolerance.
+"""
+
+import contextlib
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+from keras_replicator._src.core import placements
+from keras_replicator._src.sharding import contraction
+
+TOL = {"float32": 2e-5, "float64": 1e-10}
+
+
+@pytest.fixture(autouse=True)
+def no_distribution():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+class TiedLogits(keras.layers.Layer):
+    """Logits by a table's transpose, as keras-hub's tied embeddings do."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(
+            shape=(48, input_shape[-1]),
+            initializer="glorot_uniform",
+            name="table",
+        )
+
+    def call(self, x):
+        return ops.matmul(x, ops.transpose(self.table))
+
+
+def _model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((2, 32))
+    # "btd,ndh->btnh": rows of 64 in, 128 out against a 2048 kernel.
+    h = keras.layers.EinsumDense(
+        "btd,ndh->btnh", (2, 4, 16), activation="tanh", name="heads"
+    )(inputs)
+    h = keras.layers.Reshape((128,))(h)
+    h = keras.layers.Dense(32, activation="relu", name="wide")(h)
+    h = keras.layers.Dense(32, name="tied_in")(h)
+    logits = TiedLogits(name="tied")(h)
+    # 48 x 5 = 240 values: rows of 53 move on the last batch (4 x 1 x 53),
+    # the kernel moves on full ones (4 x 2 x 53).
+    outputs = keras.layers.Dense(5, name="small")(logits)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"]
+    )
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(26, 2, 32)).astype("float32")
+    y = rng.normal(size=(26, 5)).astype("float32")
+    return x, y
+
+
+def _fit():
+    model = _model()
+    x, y = _data()
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    evaluated = model.evaluate(x, y, batch_size=8, verbose=0)
+    predicted = model.predict(x, batch_size=8, verbose=0)
+    return model, history.history, evaluated, predicted
+
+
+@functools.cache
+def _reference(floatx):
+    keras.distribution.set_distribution(None)
+    with _floatx(floatx):
+        return _fit()
+
+
+@contextlib.contextmanager
+def _floatx(floatx):
+    # Keras keeps the dtype policy it first made from floatx: set both.
+    saved = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx(floatx)
+    keras.config.set_dtype_policy(floatx)
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(saved[0])
+        keras.config.set_dtype_policy(saved[1])
+
+
+def _close(a, b, tol=TOL["float32"]):
+    a, b = np.asarray(a), np.asarray(b)
+    scale = max(float(np.max(np.abs(a))), 1e-6)
+    assert float(np.max(np.abs(a - b))) <= tol * scale, (
+        float(np.max(np.abs(a - b))),
+        scale,
+    )
+
+
+def _model_parallel(shape, layouts):
+    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in layouts.items():
+        layout_map[key] = axes
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+_LAYOUTS = {
+    "1x4": (
+        (1, 4),
+        {
+            "heads/kernel": ("model", None, None),
+            "wide/kernel": (None, "model"),
+            "tied_in/kernel": ("model", None),
+            "tied/table": ("model", None),
+            "small/kernel": ("model", None),
+        },
+    ),
+    "2x2": (
+        (2, 2),
+        {
+            "heads/kernel": (None, "batch", "model"),
+            "wide/kernel": ("batch", "model"),
+            # Split over one axis of two: each block on 2 devices.
+            "tied_in/kernel": (None, "model"),
+            "tied/table": ("model", "batch"),
+            "small/kernel": ("batch", None),
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name, floatx",
+    [("1x4", "float32"), ("1x4", "float64"), ("2x2", "float64")],
+)
+def test_both_paths_give_one_devices_numbers(name, floatx):
+    reference, h0, e0, p0 = _reference(floatx)
+    shape, layouts = _LAYOUTS[name]
+    keras.distribution.set_distribution(_model_parallel(shape, layouts))
+    with _floatx(floatx):
+        model, h1, e1, p1 = _fit()
+    assert model.compute_dtype == reference.compute_dtype == floatx
+    close = functools.partial(_close, tol=TOL[floatx])
+    for layer in ("heads", "wide", "tied_in", "tied", "small"):
+        assert placements.of(model.get_layer(layer).weights[0]) is not None
+    # Dense and EinsumDense gather their kernels (if at all) inside the op:
+    # not rematerialised. The custom layer is.
+    assert not hasattr(model.get_layer("wide"), "_keras_replicator_remat")
+    assert not hasattr(model.get_layer("heads"), "_keras_replicator_remat")
+    assert model.get_layer("tied")._keras_replicator_remat
+    assert h0.keys() == h1.keys()
+    for key in h0:
+        close(h0[key], h1[key])
+    close(e0, e1)
+    close(p0, p1)
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        close(a, b)
+    for a, b in zip(
+        reference.optimizer.variables, model.optimizer.variables, strict=True
+    ):
+        close(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize(
+    "equation, kernel_rank, found",
+    [
+        ("ab,bc->ac", 2, ("ab", "bc", "ac")),
+        ("btd,ndh->btnh", 3, ("btd", "ndh", "btnh")),
+        ("btnh,nhd->btd", 3, ("btnh", "nhd", "btd")),
+        ("ay,zy->az", 2, ("ay", "zy", "az")),
+        # Not a dense layer's contraction: left to the stock op.
+        ("...b,bc->...c", 2, None),
+        ("ab,bc->ca", 2, None),  # the batch is not the output's first axis
+        ("ab,ab->a", 2, None),  # a kernel label in x and the output
+        ("ab,bc->abc", 2, None),
+        ("ab,bc,cd->ad", 2, None),
+        ("ab,bc->ac", 3, None),
+    ],
+)
+def test_which_contractions_take_the_op(equation, kernel_rank, found):
+    assert contraction.parse(equation, kernel_rank) == found
+
+
+def test_a_transposed_view_read_elsewhere_is_the_gathered_transpose():
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {"tied/table": ("model", None)})
+    )
+    model = _model()
+    table = model.get_layer("tied").table
+    strategy = table._value.distribute_strategy
+
+    @tf.function
+    def step():
+        def replica_fn():
+            view = ops.transpose(table)
+            assert isinstance(view, contraction.Transposed)
+            assert tuple(view.shape) == (32, 48)
+            # Anything but matmul converts it: the whole table, transposed.
+            return ops.add(view, 1.0) - 1.0, view * 2.0
+
+        return strategy.run(replica_fn)
+
+    added, doubled = step()
+    whole = np.transpose(table.numpy())
+    for replica in strategy.experimental_local_results(added):
+        _close(whole, replica.numpy())
+    for replica in strategy.experimental_local_results(doubled):
+        _close(2.0 * whole, replica.numpy())
