@@ -30,6 +30,7 @@ every process do), and an assignment writes the local blocks.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from keras.src.distribution import distribution_lib
+from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.eager import context
 
 from keras_replicator._src import collectives
@@ -115,9 +117,9 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
             full = tf.convert_to_tensor(full, dtype=variable.dtype)
             blocks = {r: placement.block(full, r) for r in replicas}
         del full
-        with strategy.scope():
-            # Over several processes the chief's first block is broadcast
-            # as the initial value; each component then takes its own.
+        with strategy.scope(), _own_initial_values(strategy):
+            # Each component takes its own block: no process waits for the
+            # chief's first block, which the strategy would broadcast.
             stored = tf.Variable(
                 blocks[replicas[0]],
                 trainable=variable.trainable,
@@ -128,6 +130,53 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
             if r:
                 component.assign(blocks.pop(r))
     return stored
+
+
+@contextlib.contextmanager
+def _own_initial_values(strategy):
+    """Variables made here skip the multi-worker initial-value broadcast.
+
+    `CollectiveAllReduceExtended` makes every process's first component
+    receive the chief's initial value (a broadcast of the whole block, and
+    a transient of its size, per variable). A sharded variable's components
+    each take their own block at once, so here each process's first
+    component starts from its own value. Every process creates the same
+    variables in the same order, so none waits for a broadcast the others
+    skip.
+    """
+    extended = strategy.extended
+    stock = getattr(type(extended), "_get_variable_creator_initial_value", None)
+    if stock is None or not multi_process(strategy):
+        yield
+        return
+    local = (
+        mirrored_strategy.MirroredExtended._get_variable_creator_initial_value
+    )
+
+    def initial_value(replica_id, device, primary_var, **kwargs):
+        if replica_id != 0:
+            return local(
+                extended,
+                replica_id=replica_id,
+                device=device,
+                primary_var=primary_var,
+                **kwargs,
+            )
+
+        def value_fn():
+            with tf.device(device):
+                value = kwargs["initial_value"]
+                if callable(value):
+                    value = value()
+                return tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+
+        return value_fn
+
+    extended._get_variable_creator_initial_value = initial_value
+    try:
+        yield
+    finally:
+        del extended._get_variable_creator_initial_value
 
 
 def local_replicas(strategy) -> list[int]:
