@@ -11,8 +11,9 @@ Here `ops.matmul(x, kernel)`, `ops.matmul(x, ops.transpose(kernel))` (a
 tied embedding's logits) and `ops.einsum(equation, x, kernel)` (Dense,
 EinsumDense, keras-hub's attention and feed-forward layers) by a sharded
 kernel are one op with its own gradient, and take one of two paths, chosen
-in the graph by the step's rows (the same choice on every replica: it
-depends on the gathered row counts only):
+by the step's rows: when traced if the batch's shape is known then (the
+same on every replica, as Keras splits a global batch), else in the graph
+(`tf.cond` on the gathered row counts, the same on every replica):
 
 - **Activations move** when the whole mesh's rows are fewer values than the
   kernel (`N x rows x (row of x + row of y) <= kernel size`: a language
@@ -30,6 +31,10 @@ depends on the gathered row counts only):
   for the product and gathered again in the backward pass (so the layer
   needs no rematerialisation), and its full gradient is averaged and cut
   to the block, as `sharded.gathered` does.
+
+An embedding lookup (`ops.take(table, ids, axis=0)`, Keras' `Embedding`)
+of a sharded table always moves rows (`lookup`): the ids of the mesh are
+far fewer values than a table worth sharding.
 
 Each output element is the same contraction one device computes; only the
 order of floating-point sums may differ, as in any all-reduce. What takes
@@ -275,7 +280,6 @@ def contract(equation: str, x: tf.Tensor, variable: Any, ctx) -> tf.Tensor:
     ]
 
     if dtype in _MOVING_DTYPES and stored.dtype == dtype:
-        x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
         contracted = math.prod(
             n
             for n, label in zip(full, k_labels, strict=True)
@@ -286,12 +290,21 @@ def contract(equation: str, x: tf.Tensor, variable: Any, ctx) -> tf.Tensor:
             for n, label in zip(full, k_labels, strict=True)
             if label in out_labels
         )
-        y_row = x_row / contracted * free
-        moving = tf.cast(mesh.replicas * mesh.most, tf.float64) * (
-            x_row + y_row
-        ) <= float(math.prod(full))
+        if x.shape.is_fully_defined():
+            # Rows known when traced: the same on every replica (Keras
+            # splits a global batch), so is the choice; no `tf.cond`.
+            x_row = math.prod(x.shape[1:])
+            moving = mesh.replicas * x.shape[0] * (
+                x_row + x_row // contracted * free
+            ) <= math.prod(full)
+        else:
+            x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
+            y_row = x_row / contracted * free
+            moving = tf.cast(mesh.replicas * mesh.most, tf.float64) * (
+                x_row + y_row
+            ) <= float(math.prod(full))
     else:
-        moving = None
+        moving = False
 
     def slices(axis_labels):
         """Per axis split by the kernel: (axis, begin, size, full)."""
@@ -430,8 +443,9 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
 
 
 def _choose(moving, moving_fn, kernel_fn):
-    if moving is None:
-        return kernel_fn()
+    """The path `moving` picks: a Python bool when traced, else in graph."""
+    if isinstance(moving, bool):
+        return moving_fn() if moving else kernel_fn()
     return tf.cond(moving, moving_fn, kernel_fn)
 
 
