@@ -29,7 +29,9 @@ process 0, against one device) is a second run of each N, which loads and
 reads every whole value: reads a training script does not make, whose
 memory would otherwise count in `fit`.
 
-Not yet covered: saves.
+Last stage: `save` (every process calls `save_weights` with one path; the
+chief gathers and writes one variable at a time, the others join the
+gathers).
 """
 
 import argparse
@@ -49,7 +51,10 @@ from _common import rss_mb  # noqa: E402
 from _common import run_processes  # noqa: E402
 from _common import sharded_mlp  # noqa: E402
 
-STAGES = {"mlp": ("build", "slots", "fit"), "gemma": ("load", "fit")}
+STAGES = {
+    "mlp": ("build", "slots", "fit", "save"),
+    "gemma": ("load", "fit", "save"),
+}
 GEMMA = dict(
     vocabulary_size=33000,
     num_layers=4,
@@ -79,6 +84,10 @@ def _worker(args):
         now, peak = rss_mb()
         out[name] = [round(now - base), round(peak - base)]
         reset_peak()
+        if args.tensors:
+            info = tf.config.experimental.get_memory_info("CPU:0")
+            out[name + " tensors"] = [info["current"] >> 20, info["peak"] >> 20]
+            tf.config.experimental.reset_memory_stats("CPU:0")
 
     if args.model == "gemma":
         _gemma(args, stage, out)
@@ -96,6 +105,7 @@ def _worker(args):
     data = tf.data.Dataset.from_tensor_slices((x, x)).batch(16)
     model.fit(data, epochs=1, verbose=0)
     stage("fit")
+    _save(model, args, stage)
     out["parameters"] = model.count_params()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -126,8 +136,7 @@ def _gemma(args, stage, out):
         # collective under ModelParallel), which a script that trains does
         # not, and the memory it leaves would count in `fit`.
         out["checksums"] = [
-            float(np.asarray(w.numpy(), "float64").sum())
-            for w in model.weights
+            float(np.asarray(w.numpy(), "float64").sum()) for w in model.weights
         ]
         print("RESULT " + json.dumps(out), flush=True)
         return
@@ -145,9 +154,16 @@ def _gemma(args, stage, out):
     data = tf.data.Dataset.from_tensors((x, tokens[:, 1:]))
     history = model.fit(data, epochs=1, verbose=0)
     stage("fit")
+    _save(model, args, stage)
     out["loss"] = history.history["loss"][-1]
     out["parameters"] = model.count_params()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _save(model, args, stage):
+    """Every process saves to one path; the chief writes, value by value."""
+    model.save_weights(os.path.join(args.save_dir, "model.weights.h5"))
+    stage("save")
 
 
 def _save_preset(directory):
@@ -179,6 +195,9 @@ def _run(args, workers, verify=False):
         "--preset",
         str(args.preset),
         *(["--verify"] if verify else []),
+        *(["--tensors"] if args.tensors else []),
+        "--save-dir",
+        str(args.save_dir),
     ]
     return run_processes(command, workers)
 
@@ -193,11 +212,21 @@ def main():
     parser.add_argument("--model", choices=("mlp", "gemma"), default="mlp")
     parser.add_argument("--preset", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--save-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tensors",
+        action="store_true",
+        help="also report TensorFlow's own tensor bytes per stage (its BFC "
+        "allocator, TF_CPU_ALLOCATOR_USE_BFC=true, in every process)",
+    )
     parser.add_argument("--save-preset", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.save_preset:
         _save_preset(args.save_preset)
         return
+    if args.tensors:
+        # Read by TensorFlow when it starts, in every process.
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     if args.worker:
         args.workers = int(args.workers)
         _worker(args)
@@ -205,6 +234,7 @@ def main():
     counts = [int(n) for n in args.workers.split(",")]
     print(label())
     with tempfile.TemporaryDirectory(prefix="kr_capacity_") as tmp:
+        args.save_dir = tmp
         if args.model == "gemma":
             args.preset = os.path.join(tmp, "gemma")
             subprocess.run(
@@ -229,6 +259,15 @@ def main():
                 + ", ".join(f"{s} {r[s][0]}/{r[s][1]} MB" for s in stages)
                 + " (now/peak above the import)"
             )
+            if args.tensors:
+                print(
+                    f"N={n} process {i} tensors: "
+                    + ", ".join(
+                        f"{s} {r[s + ' tensors'][0]}/{r[s + ' tensors'][1]} MB"
+                        for s in stages
+                    )
+                    + " (now/peak, TensorFlow's allocator)"
+                )
         if one is None or n == 1:
             continue
         if "checksums" in results[0]:
