@@ -134,7 +134,8 @@ def replica_weights(ctx, dtype=tf.float32) -> tf.Tensor:
     if count is None or isinstance(count, int):
         return tf.constant(1.0 / replicas, dtype)
     weight = tf.cast(count, dtype) * (1.0 / replicas)
-    (total,) = collectives.all_reduce(ctx, "sum", [weight])
+    # No `merge_call`: a product may sit in a loop (keras-hub's `generate`).
+    total = collectives.all_reduce_sum(ctx, weight)
     return weight * tf.math.reciprocal_no_nan(total)
 
 

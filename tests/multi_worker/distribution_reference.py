@@ -34,6 +34,34 @@ def build():
     return model
 
 
+def build_batch_statistics():
+    """A model whose training-time numbers depend on the whole batch.
+
+    `Dropout` (one mask over the global batch) and `BatchNormalization`
+    (the global batch's moments): under `keras.distribution` each process's
+    replicas draw and normalise as one device does over the global batch.
+    """
+    keras.utils.set_random_seed(13)
+    model = keras.Sequential(
+        [
+            keras.Input((12,)),
+            # No bias before the normalisation (its gradient is zero: Adam
+            # would turn float noise into steps).
+            keras.layers.Dense(16, use_bias=False, name="d1"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Activation("relu"),
+            keras.layers.Dropout(0.5, seed=7, name="drop"),
+            keras.layers.Dense(3, name="d3"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
 def dataset(batched=True, known_length=True):
     """The examples, in global batches; `known_length=False`: a `filter`.
 
@@ -58,13 +86,13 @@ def train(model, data=None):
     return history.history
 
 
-def one_device_run(folder, known_length=True):
+def one_device_run(folder, known_length=True, make=build):
     """The reference: initial weights saved to `folder`, then one device.
 
     Returns:
         `{"init": <initial weights .npz>, "history": ..., "weights": ...}`.
     """
-    model = build()
+    model = make()
     init = folder / "init.npz"
     np.savez(init, *model.get_weights())
     history = train(model, dataset(known_length=known_length))

@@ -4,8 +4,10 @@
 Keras' `KERAS_DISTRIBUTION_*` variables on the other), then `ModelParallel`
 on a (batch 2 across workers) x (model 2 inside a worker) mesh fed by our
 sharder, on a (1, 4) mesh whose model axis spans the workers, and on data
-of unknown length (a `filter`), against one device. One process group for
-every check. The launched `DataParallel` / `ModelParallel` script is
+of unknown length (a `filter`), against one device; and a model with
+`Dropout` and `BatchNormalization`, whose masks and moments are the global
+batch's across the processes. One process group for every check. The
+launched `DataParallel` / `ModelParallel` script is
 test_distribution_gemma.py's; `initialize()` under mpiexec and Slurm is
 test_distribution_launchers.py's, under `kr.launch` from a notebook
 test_notebook_launch.py's.
@@ -35,13 +37,21 @@ def unknown_length_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def workers(reference):
+def batch_statistics_reference(tmp_path_factory):
+    return distribution_reference.one_device_run(
+        tmp_path_factory.mktemp("batch_statistics"),
+        make=distribution_reference.build_batch_statistics,
+    )
+
+
+@pytest.fixture(scope="module")
+def workers(reference, batch_statistics_reference):
     return harness.run_workers(
         WORKER,
         num_workers=2,
         replicas_per_worker=2,
         timeout=300,
-        args=[str(reference["init"])],
+        args=[str(reference["init"]), str(batch_statistics_reference["init"])],
     )
 
 
@@ -81,6 +91,23 @@ def test_model_parallel_fed_by_our_sharder_matches_one_device(
     assert shapes[0] == shapes[1]
     kernel = next(v for k, v in shapes[0].items() if k.endswith("d1/kernel"))
     assert kernel == {d: [12, 8] for d in DEVICES}
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(420)
+def test_dropout_masks_and_batch_moments_are_global_across_workers(
+    workers, batch_statistics_reference
+):
+    # Each process's replicas draw their rows of one device's mask and
+    # normalise with the global batch's moments (`docs/exact.md`), so the
+    # numbers are one device's, moving statistics included.
+    for w in workers:
+        distribution_reference.assert_matches(
+            w.result["batch_statistics"],
+            batch_statistics_reference,
+            1e-4,
+            f"worker {w.index}",
+        )
 
 
 @pytest.mark.multi_worker

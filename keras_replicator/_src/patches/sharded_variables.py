@@ -168,8 +168,9 @@ def _take(original, x, indices, axis=None):
 
 def _transpose(original, x, axes=None):
     if (
-        len(getattr(x, "shape", ())) == 2
-        and (axes is None or tuple(axes) in ((1, 0), (-1, -2), (1, -2)))
+        placements.of(x) is not None  # Only a sharded Keras variable.
+        and len(x.shape) == 2
+        and (axes is None or tuple(a % 2 for a in axes) == (1, 0))
         and contraction.in_step(x) is not None
     ):
         # Gathered only if something other than `matmul` reads it.

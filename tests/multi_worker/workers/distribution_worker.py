@@ -1,15 +1,16 @@
 """Worker of test_distribution.py: keras.distribution over 2 processes.
 
-argv: <initial weights .npz>. Calls `keras.distribution.initialize()`
-(from Keras' variables on worker 0, TF_CONFIG on worker 1), then trains
-the model of `distribution_reference` under `ModelParallel` on a (batch
-2 across processes) x (model 2 inside a process) mesh fed by our sharder,
-and on a (1, 4) mesh whose model axis spans the processes (fed by Keras'
-per-process cut; and the (2, 2) mesh again on data of unknown length),
-and reports the numbers, the devices and where the
-weights live. `DataParallel` and the (2, 2) mesh fed by Keras' cut are
-`examples/gemma_model_parallel.py`'s, launched by
-test_distribution_gemma.py.
+argv: <initial weights .npz> <the batch-statistics model's .npz>. Calls
+`keras.distribution.initialize()` (from Keras' variables on worker 0,
+TF_CONFIG on worker 1), then trains the model of `distribution_reference`
+under `ModelParallel` on a (batch 2 across processes) x (model 2 inside a
+process) mesh fed by our sharder, and on a (1, 4) mesh whose model axis
+spans the processes (fed by Keras' per-process cut; and the (2, 2) mesh
+again on data of unknown length), then the batch-statistics model
+(`Dropout`, `BatchNormalization`) on the (2, 2) mesh, and reports the
+numbers, the devices and where the weights live. `DataParallel` and the
+(2, 2) mesh fed by Keras' cut are `examples/gemma_model_parallel.py`'s,
+launched by test_distribution_gemma.py.
 """
 
 import json
@@ -83,5 +84,15 @@ for kind in ("model_across", "sharder", "unknown_length"):
         # A multi-worker replicator's features, installed for it.
         "patches": list(registry.installed()),
     }
+# Dropout masks and BatchNormalization's moments over the global batch,
+# across the processes.
+keras.distribution.set_distribution(reference.distribution("model_parallel"))
+model = reference.build_batch_statistics()
+model.set_weights(list(np.load(sys.argv[2]).values()))
+history = reference.train(model)
+report["batch_statistics"] = {
+    "history": history,
+    "weights": model.get_weights(),
+}
 keras.distribution.set_distribution(None)
 harness.write_result(report)
