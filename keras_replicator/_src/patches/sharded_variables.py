@@ -137,7 +137,14 @@ def _matmul(original, x1, x2):
     if ctx is not None:
         equation = contraction.matmul_equation(x1, transposed)
         if equation and contraction.labels(equation, x1, variable):
-            return contraction.contract(equation, x1, variable, ctx)
+            if transposed:
+
+                def product(a, b):
+                    return original(a, tf.transpose(b))
+
+            else:
+                product = original
+            return contraction.contract(equation, x1, variable, ctx, product)
     if transposed:
         x2 = x2.tensor()
     return original(x1, x2)
@@ -152,7 +159,13 @@ def _einsum(original, subscripts, *operands, **kwargs):
             and isinstance(subscripts, str)
             and contraction.labels(subscripts, x, variable)
         ):
-            return contraction.contract(subscripts, x, variable, ctx)
+            return contraction.contract(
+                subscripts,
+                x,
+                variable,
+                ctx,
+                lambda a, b: original(subscripts, a, b),
+            )
     return original(subscripts, *operands, **kwargs)
 
 

@@ -254,11 +254,23 @@ class _Rows:
         return collectives.all_reduce_sum(self.ctx, canvas)
 
 
-def contract(equation: str, x: tf.Tensor, variable: Any, ctx) -> tf.Tensor:
+def contract(
+    equation: str, x: tf.Tensor, variable: Any, ctx, product=None
+) -> tf.Tensor:
     """`einsum(equation, x, variable)` for a sharded `variable`, in its step.
 
-    `equation` must pass `labels`.
+    `equation` must pass `labels`. `product(x, kernel)` is the op one device
+    runs (Keras' own `matmul` or `einsum`; default `tf.einsum`): the blocks
+    are multiplied, and differentiated, by the same op, so that each output
+    element and each block of the weight gradient is the one device's to
+    the bit where the op computes a block of columns as it computes them in
+    the whole (as `tf.matmul` does on the CPU; `tf.einsum` does not).
     """
+    if product is None:
+
+        def product(a, b):
+            return tf.einsum(equation, a, b)
+
     x_labels, k_labels, out_labels = labels(equation, x, variable)
     placement = placements.of(variable)
     mesh = _Rows(ctx, placement, tf.shape(x)[0])
@@ -269,8 +281,6 @@ def contract(equation: str, x: tf.Tensor, variable: Any, ctx) -> tf.Tensor:
     # its gradient is reduced in the stored dtype, as one device's is.
     stored = tf.convert_to_tensor(variable._value)
     dtype = x.dtype
-    back = f"{out_labels},{k_labels}->{x_labels}"
-    kernel_grad = f"{x_labels},{out_labels}->{k_labels}"
     # What one device's einsum would know of the output's shape.
     y_static = [
         x.shape[x_labels.index(label)]
@@ -334,11 +344,11 @@ def contract(equation: str, x: tf.Tensor, variable: Any, ctx) -> tf.Tensor:
 
         def moving_forward():
             x_in = cut(mesh.gather(x), x_labels)
-            part = tf.einsum(equation, x_in, block)
+            part = product(x_in, block)
             return mesh.own(mesh.summed(part, slices(out_labels)))
 
         def kernel_forward():
-            return tf.einsum(equation, x, gathered_kernel(raw))
+            return product(x, gathered_kernel(raw))
 
         y = _choose(moving, moving_forward, kernel_forward)
         y.set_shape(y_static)
@@ -348,18 +358,16 @@ def contract(equation: str, x: tf.Tensor, variable: Any, ctx) -> tf.Tensor:
                 x_in = cut(mesh.gather(x), x_labels)
                 dy_all = cut(mesh.gather(dy), out_labels)
                 weights = tf.cast(mesh.per_row(mesh.row_weights, dy_all), dtype)
-                d_block = tf.cast(
-                    tf.einsum(kernel_grad, x_in, dy_all * weights), raw.dtype
-                )
-                dx_part = tf.einsum(back, dy_all, block)
+                dx_part, _ = _gradients(product, x_in, block, dy_all)
+                _, d_block = _gradients(product, x_in, block, dy_all * weights)
                 dx = mesh.own(mesh.summed(dx_part, slices(x_labels)))
-                return dx, d_block
+                return dx, tf.cast(d_block, raw.dtype)
 
             def kernel_backward():
-                dx = tf.einsum(back, dy, gathered_kernel(raw))
+                dx, d_kernel = _gradients(product, x, gathered_kernel(raw), dy)
                 # `gradients.mean_gradients`' average, in one collective
                 # that may sit in a `tf.cond` branch.
-                d_kernel = tf.cast(tf.einsum(kernel_grad, x, dy), raw.dtype)
+                d_kernel = tf.cast(d_kernel, raw.dtype)
                 own_weight = tf.cast(mesh.weight, raw.dtype)
                 reduced = collectives.all_reduce_sum(ctx, d_kernel * own_weight)
                 return dx, placement.block(reduced, mesh.replica)
@@ -440,6 +448,18 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
         return y, grad
 
     return op(stored)
+
+
+def _gradients(product, a, b, upstream):
+    """The gradients of `product(a, b)` for `upstream`, as autodiff makes them.
+
+    The ops one device's backward pass runs (`MatMul`'s gradient for a
+    matmul); the recomputed product itself is unused, and pruned.
+    """
+    with tf.GradientTape() as tape:
+        tape.watch([a, b])
+        out = product(a, b)
+    return tape.gradient(out, [a, b], output_gradients=upstream)
 
 
 def _choose(moving, moving_fn, kernel_fn):
