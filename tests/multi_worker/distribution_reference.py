@@ -26,6 +26,10 @@ def build():
             keras.layers.Dense(3, name="d3"),
         ]
     )
+    return _compiled(model)
+
+
+def _compiled(model):
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -54,12 +58,7 @@ def build_batch_statistics():
             keras.layers.Dense(3, name="d3"),
         ]
     )
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return _compiled(model)
 
 
 def dataset(batched=True, known_length=True):
