@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 from keras import ops
 
+import keras_replicator as kr
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import contraction
 
@@ -180,6 +181,10 @@ def test_both_paths_give_one_devices_numbers(name, floatx, static):
     close = functools.partial(_close, tol=TOL[floatx])
     for layer in ("heads", "wide", "tied_in", "tied", "small"):
         assert placements.of(model.get_layer(layer).weights[0]) is not None
+    # Where it ran: 4 devices, each holding its block of the kernel.
+    wide = kr.shard_shapes(model.get_layer("wide").kernel)
+    assert len(wide) == 4
+    assert set(wide.values()) == {(128, 8) if name == "1x4" else (64, 16)}
     # Dense and EinsumDense gather their kernels (if at all) inside the op:
     # not rematerialised. The custom layer is.
     assert not hasattr(model.get_layer("wide"), "_keras_replicator_remat")
@@ -279,16 +284,16 @@ def _lookup_reference():
 
 
 @pytest.mark.parametrize(
-    "shape, axes",
+    "shape, axes, block",
     [
-        ((1, 4), ("model", None)),
-        ((1, 4), (None, "model")),
-        ((2, 2), ("model", "batch")),
+        ((1, 4), ("model", None), (10, 16)),
+        ((1, 4), (None, "model"), (40, 4)),
+        ((2, 2), ("model", "batch"), (20, 8)),
     ],
     ids=["rows", "columns", "both"],
 )
 def test_a_sharded_lookup_moves_rows_with_one_devices_sparse_numbers(
-    shape, axes
+    shape, axes, block
 ):
     reference, h0 = _lookup_reference()
     keras.distribution.set_distribution(
@@ -297,6 +302,9 @@ def test_a_sharded_lookup_moves_rows_with_one_devices_sparse_numbers(
     model, h1 = _lookup_fit()
     table = model.get_layer("table")
     assert placements.of(table.embeddings) is not None
+    blocks = kr.shard_shapes(table.embeddings)
+    assert len(blocks) == 4
+    assert set(blocks.values()) == {block}
     assert not hasattr(table, "_keras_replicator_remat")
     _close(h0["loss"], h1["loss"])
     for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
