@@ -107,3 +107,23 @@ def stock_mirrored():
         ["CPU:0", "CPU:1"],
         cross_device_ops=tf.distribute.ReductionToOneDevice(),
     )
+
+
+def device_mesh(shape, axes=("batch", "model")):
+    """A `keras.distribution.DeviceMesh` of the first devices, `shape`."""
+    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
+    return keras.distribution.DeviceMesh(shape, axes, devices)
+
+
+def model_parallel(shape, layouts, axes=("batch", "model")):
+    """`ModelParallel` over `device_mesh(shape, axes)`.
+
+    `layouts` maps LayoutMap keys to axes; the batch is split over the
+    first mesh axis.
+    """
+    layout_map = keras.distribution.LayoutMap(device_mesh(shape, axes))
+    for key, value in layouts.items():
+        layout_map[key] = value
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name=axes[0]
+    )

@@ -18,6 +18,7 @@ import pytest
 import keras_replicator as kr
 from keras_replicator._src.sharding import block_draw
 from keras_replicator._src.sharding import sharded
+from tests import helpers
 
 _INITIALIZERS = [
     keras.initializers.RandomUniform(-0.3, 0.7, seed=3),
@@ -45,13 +46,7 @@ def no_distribution():
 
 
 def _model_parallel(shape, axes):
-    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
-    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*kernel"] = axes
-    return keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
-    )
+    return helpers.model_parallel(shape, {".*kernel": axes})
 
 
 def _kernel(initializer, shape):

@@ -28,6 +28,7 @@ import pytest
 import keras_replicator as kr
 from keras_replicator._src.sharding import checkpoint
 from keras_replicator._src.sharding import sharded
+from tests import helpers
 
 WIDTH = 16
 
@@ -40,13 +41,8 @@ def no_distribution():
 
 
 def _model_parallel(shape):
-    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
-    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*d0/kernel"] = (None, "model")
-    layout_map[".*d1/kernel"] = ("model", None)
-    return keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
+    return helpers.model_parallel(
+        shape, {".*d0/kernel": (None, "model"), ".*d1/kernel": ("model", None)}
     )
 
 

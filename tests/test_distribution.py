@@ -14,6 +14,7 @@ from keras.src.distribution import distribution_lib
 
 import keras_replicator as kr
 from keras_replicator._src.core import placements
+from tests import helpers
 from tests import keras_io_distribution as guide
 
 TOL = 1e-5
@@ -56,18 +57,8 @@ def _same_history(h0, h1, rtol=TOL):
         _close(h0[key], h1[key], rtol)
 
 
-def _mesh(shape, axes=("batch", "model")):
-    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
-    return keras.distribution.DeviceMesh(shape, axes, devices)
-
-
-def _model_parallel(shape, layouts, batch_dim_name="batch"):
-    layout_map = keras.distribution.LayoutMap(_mesh(shape))
-    for key, axes in layouts.items():
-        layout_map[key] = axes
-    return keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name=batch_dim_name
-    )
+_mesh = helpers.device_mesh
+_model_parallel = helpers.model_parallel
 
 
 # --- keras.io's guide --------------------------------------------------------

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src.layers import global_dropout
+from tests import helpers
 
 
 @pytest.fixture(autouse=True)
@@ -69,13 +70,8 @@ def _far(a, b):
 
 
 def _model_parallel():
-    devices = keras.distribution.list_devices()[:4]
-    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*d0/kernel"] = (None, "model")
-    layout_map[".*d1/kernel"] = ("model", None)
-    return keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
+    return helpers.model_parallel(
+        (2, 2), {".*d0/kernel": (None, "model"), ".*d1/kernel": ("model", None)}
     )
 
 

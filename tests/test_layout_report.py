@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import keras_replicator as kr
+from tests import helpers
 
 
 @pytest.fixture(autouse=True)
@@ -25,16 +26,7 @@ def no_distribution():
 
 
 def _model_parallel(keys):
-    devices = keras.distribution.list_devices()[:4]
-    mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"), devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in keys.items():
-        layout_map[key] = axes
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="batch"
-        )
-    )
+    keras.distribution.set_distribution(helpers.model_parallel((1, 4), keys))
 
 
 def _fit(model, inputs=8, outputs=4):

@@ -25,6 +25,7 @@ from keras import ops
 import keras_replicator as kr
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import contraction
+from tests import helpers
 
 TOL = {"float32": 2e-5, "float64": 1e-10}
 
@@ -126,15 +127,7 @@ def _close(a, b, tol=TOL["float32"]):
     )
 
 
-def _model_parallel(shape, layouts):
-    devices = keras.distribution.list_devices()[: int(np.prod(shape))]
-    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in layouts.items():
-        layout_map[key] = axes
-    return keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
-    )
+_model_parallel = helpers.model_parallel
 
 
 _LAYOUTS = {

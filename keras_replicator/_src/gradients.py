@@ -97,9 +97,8 @@ def mean_gradients(
     replicas = ctx.num_replicas_in_sync
     if replicas == 1:
         return list(grads)
-    step = replica_step.current()
-    count = None if step is None or step.shares else step.count
-    if count is None or isinstance(count, int):
+    count = _varying_count()
+    if count is None:
         # Every replica has the same number of examples (or none is known):
         # the plain mean, one multiplication per gradient.
         return scaled_sum(
@@ -119,19 +118,33 @@ def mean_gradients(
     ]
 
 
+def _varying_count():
+    """The running step's example count if replicas may differ, else None.
+
+    None when every replica weighs the same: no step is running, the step
+    scaled its losses as shares (they already weigh their examples), or
+    the count is a Python int (the same static batch everywhere).
+    """
+    step = replica_step.current()
+    if step is None or step.shares or isinstance(step.count, int):
+        return None
+    return step.count
+
+
 def replica_weights(ctx, dtype=tf.float32) -> tf.Tensor:
     """This replica's weight in `mean_gradients`: a scalar.
 
     `mean_gradients(g)` is `sum over replicas r of weight_r * g_r`; a
     gradient computed from every replica's examples at once (a sharded
-    kernel's block, `sharding/matmul.py`) scales each replica's rows by it.
+    kernel's block, `sharding/contraction.py`) scales each replica's rows
+    by it. Unlike `mean_gradients`, whose weights ride in the gradients'
+    pack, it costs one scalar all-reduce when the counts may differ.
     """
     replicas = ctx.num_replicas_in_sync
     if replicas == 1:
         return tf.constant(1.0, dtype)
-    step = replica_step.current()
-    count = None if step is None or step.shares else step.count
-    if count is None or isinstance(count, int):
+    count = _varying_count()
+    if count is None:
         return tf.constant(1.0 / replicas, dtype)
     weight = tf.cast(count, dtype) * (1.0 / replicas)
     # No `merge_call`: a product may sit in a loop (keras-hub's `generate`).

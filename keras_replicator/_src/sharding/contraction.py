@@ -57,6 +57,7 @@ import tensorflow as tf
 from keras_replicator._src import collectives
 from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
+from keras_replicator._src.sharding import sharded
 
 # Kernel dtypes whose activations can move (the CPU collectives' types).
 _MOVING_DTYPES = frozenset({tf.float32, tf.float64})
@@ -332,11 +333,7 @@ def contract(
         return t
 
     def gathered_kernel(raw):
-        flat = collectives.all_gather_equal(ctx, tf.reshape(raw, [-1]))
-        kernel = placement.assemble(
-            tf.reshape(flat, [placement.num_devices, *placement.local_shape])
-        )
-        return tf.cast(kernel, dtype)
+        return tf.cast(sharded.all_blocks(ctx, raw, placement), dtype)
 
     @tf.custom_gradient
     def op(x, raw):

@@ -192,6 +192,18 @@ def multi_process(strategy) -> bool:
     )
 
 
+def all_blocks(ctx, block, placement) -> tf.Tensor:
+    """The whole value: every replica's `block`, all-gathered, assembled.
+
+    One all-gather of the flattened blocks (equal in size on every
+    replica), issued in replica context `ctx`.
+    """
+    flat = collectives.all_gather_equal(ctx, tf.reshape(block, [-1]))
+    return placement.assemble(
+        tf.reshape(flat, [placement.num_devices, *placement.local_shape])
+    )
+
+
 def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
     """The full value of a sharded variable, in a replica step.
 
@@ -210,10 +222,7 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
 
     @tf.custom_gradient
     def gather(block):
-        flat = collectives.all_gather_equal(ctx, tf.reshape(block, [-1]))
-        full = placement.assemble(
-            tf.reshape(flat, [placement.num_devices, *placement.local_shape])
-        )
+        full = all_blocks(ctx, block, placement)
 
         def grad(upstream):
             (reduced,) = gradients.mean_gradients([upstream], ctx)
@@ -305,19 +314,13 @@ def _gather_blocks(strategy, stored, placement) -> tf.Tensor:
     """Every replica's block, all-gathered over the processes, assembled."""
 
     def replica_fn():
-        ctx = tf.distribute.get_replica_context()
-        local = stored._get_on_device_or_primary()
-        return collectives.all_gather_equal(
-            ctx, tf.reshape(tf.convert_to_tensor(local), [-1])
-        )
+        local = tf.convert_to_tensor(stored._get_on_device_or_primary())
+        return all_blocks(tf.distribute.get_replica_context(), local, placement)
 
     # In a tf.function: one collective, issued by every replica.
-    flat = strategy.experimental_local_results(
+    return strategy.experimental_local_results(
         tf.function(lambda: strategy.run(replica_fn))()
     )[0]
-    return placement.assemble(
-        tf.reshape(flat, [placement.num_devices, *placement.local_shape])
-    )
 
 
 # Datasets smaller than this are read whole: mapping them saves nothing.
