@@ -452,12 +452,15 @@ def wait_for_pid_file(path: Path, run: Background, timeout: float = 180) -> int:
             passed first.
     """
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while True:
+        # The file may exist before its pid is written: read until it
+        # parses.
+        text = path.read_text().strip() if path.exists() else ""
+        if text.isdigit():
+            return int(text)
         assert run.proc.poll() is None, run.output()[-4000:]
         assert time.monotonic() < deadline, run.output()[-4000:]
-        time.sleep(0.1)
-    time.sleep(0.1)  # the pid is written
-    return int(path.read_text())
+        time.sleep(0.05)
 
 
 def alive(pid: int) -> bool:

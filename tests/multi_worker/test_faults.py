@@ -91,7 +91,9 @@ def test_collective_timeout_ends_a_stuck_peer(reference):
         kill_on_failure=True,
     )
     assert "DeadlineExceeded" in error and "timed out" in error, error
-    assert 5 <= delay < 5 + 10, (delay, error)
+    # From the peer's stop: the survivor may have entered the all-reduce
+    # (and started its 5 s) up to a step before it.
+    assert 4 <= delay < 5 + 10, (delay, error)
 
 
 THREADS_SCRIPT = """

@@ -196,6 +196,8 @@ def test_killed_while_writing_a_backup_resumes_from_the_previous_one(
             **local,
             "PREEMPT_MARK": str(tmp_path / "m"),
             "PREEMPT_MARK_STEP": "13",
+            # One step's room for the signal to arrive after the mark.
+            "PREEMPT_SLOW": "0.6",
         },
     )
     os.kill(harness.wait_for_pid_file(tmp_path / "m", second), signal.SIGTERM)
@@ -238,6 +240,7 @@ def test_simulated_slurm_job_gets_sigusr1_and_is_requeued(references, tmp_path):
             **slurm,
             "PREEMPT_MARK": str(tmp_path / "m"),
             "PREEMPT_MARK_STEP": "5",
+            "PREEMPT_SLOW": "0.6",
         },
     )
     os.kill(harness.wait_for_pid_file(tmp_path / "m", first), signal.SIGUSR1)
