@@ -306,3 +306,40 @@ def test_a_sharded_lookup_moves_rows_with_one_devices_sparse_numbers(
         reference.optimizer.variables, model.optimizer.variables, strict=True
     ):
         _close(a.numpy(), b.numpy())
+
+
+def _fit_both(strategy):
+    """The products model and the lookup model fitted in `strategy`."""
+    x, y = _data()
+    ids = np.random.default_rng(6).integers(0, 40, size=(26, 3))
+    with strategy.scope():
+        products, lookup = _model(), _lookup_model()
+    return [
+        (
+            model,
+            model.fit(
+                inputs, y, batch_size=8, epochs=2, verbose=0, shuffle=False
+            ).history,
+        )
+        for model, inputs in ((products, x), (lookup, ids.astype("int32")))
+    ]
+
+
+def test_with_nothing_sharded_the_patched_products_are_stock(restore_patches):
+    # The patched matmul/einsum/transpose/take act on sharded kernels only:
+    # with nothing sharded, a plain replicator and stock MirroredStrategy
+    # fit these models (the einsum, the tied transpose, the lookup with its
+    # sparse gradient) to unpatched stock MirroredStrategy's numbers.
+    restore_patches.uninstall_all()
+    stock = _fit_both(helpers.stock_mirrored())
+    ours = kr.LocalReplicator(2)  # installs every patch of its kind
+    assert restore_patches.installed("sharded_variables")
+    for fitted in (_fit_both(ours), _fit_both(helpers.stock_mirrored())):
+        for (model, history), (expected, expected_history) in zip(
+            fitted, stock, strict=True
+        ):
+            _close(expected_history["loss"], history["loss"])
+            for a, b in zip(
+                expected.get_weights(), model.get_weights(), strict=True
+            ):
+                _close(a, b)
