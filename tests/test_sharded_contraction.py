@@ -343,3 +343,89 @@ def test_with_nothing_sharded_the_patched_products_are_stock(restore_patches):
                 expected.get_weights(), model.get_weights(), strict=True
             ):
                 _close(a, b)
+
+
+def _embedding_mlp():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(64, 32, name="emb")(inputs)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(256, activation="relu", name="d0")(h)
+    h = keras.layers.Dense(256, activation="relu", name="d1")(h)
+    outputs = keras.layers.Dense(4, name="d2", dtype="float32")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def _deviation(weights, reference):
+    """Sum of |weight differences| over the sum of |weights|: all weights."""
+    pairs = [
+        (a.astype("float64"), b.astype("float64"))
+        for a, b in zip(reference, weights, strict=True)
+    ]
+    return sum(np.abs(a - b).sum() for a, b in pairs) / sum(
+        np.abs(a).sum() for a, _ in pairs
+    )
+
+
+@pytest.mark.parametrize(
+    "policy, ulp", [("mixed_bfloat16", 2.0**-8), ("mixed_float16", 2.0**-11)]
+)
+def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
+    policy, ulp, monkeypatch
+):
+    # Mixed precision: float32 weights, 16-bit products. Rows move (the
+    # parts summed in float32); a column block is one device's to the bit,
+    # a product split along its contraction is rounded once. Trained, the
+    # 16-bit rounding of each replica's own gradients makes DataParallel
+    # differ from one device: ModelParallel stays as close.
+    chosen = []
+    choose = contraction._choose
+
+    def spy(moving, moving_fn, kernel_fn):
+        chosen.append(moving)
+        return choose(moving, moving_fn, kernel_fn)
+
+    monkeypatch.setattr(contraction, "_choose", spy)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, size=(64, 6)).astype("int32")
+    y = rng.normal(size=(64, 4)).astype("float32")
+    layouts = {
+        ".*d0/kernel": (None, "model"),
+        ".*d1/kernel": ("model", None),
+        ".*emb/embeddings": ("model", None),
+    }
+    saved = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        fitted, predicted = {}, {}
+        for name, distribution in (
+            ("one", None),
+            ("model", _model_parallel((1, 4), layouts)),
+            ("data", keras.distribution.DataParallel(
+                devices=keras.distribution.list_devices()[:4]
+            )),
+        ):  # fmt: skip
+            keras.distribution.set_distribution(distribution)
+            model = _embedding_mlp()
+            predicted[name] = model.predict(x, batch_size=16, verbose=0)
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+            # Read under its own distribution (its replicator's scope).
+            fitted[name] = model.get_weights()
+            if name == "model":
+                d1 = model.get_layer("d1")
+                assert d1.compute_dtype == policy[len("mixed_") :]
+                blocks = set(kr.shard_shapes(d1.kernel).values())
+                assert blocks == {(64, 256)}
+    finally:
+        keras.config.set_dtype_policy(saved)
+    assert chosen and all(moving is True for moving in chosen), chosen
+    scale = float(np.abs(predicted["one"]).max())
+    assert np.abs(predicted["model"] - predicted["one"]).max() <= ulp * scale
+    model_deviation = _deviation(fitted["model"], fitted["one"])
+    data_deviation = _deviation(fitted["data"], fitted["one"])
+    assert model_deviation <= 2 * data_deviation + 1e-7, (
+        model_deviation,
+        data_deviation,
+    )

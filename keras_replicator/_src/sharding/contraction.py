@@ -40,10 +40,13 @@ Each output element is the same contraction one device computes; only the
 order of floating-point sums may differ, as in any all-reduce. What takes
 this path: a dense `x` whose first dimension is the batch (not a kernel
 dimension) and whose trailing dimensions are the same on every replica
-(as Keras splits a global batch), in a traced step (not eagerly), of a
-kernel of float32 or float64 (what the CPU's all-reduce carries; other
-dtypes take the kernel-moving path). Anything else is left to the stock op
-and `sharded.gathered`.
+(as Keras splits a global batch), in a traced step (not eagerly), in a
+compute dtype of float32, float64, bfloat16 or float16 (other dtypes take
+the kernel-moving path). 16-bit parts are summed over the replicas in
+float32, and a 16-bit product whose contraction the kernel splits is
+computed in float32 and rounded once, as one device's single product is
+(mixed precision: float32 weights, 16-bit products). Anything else is left
+to the stock op and `sharded.gathered`.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
 
-# Kernel dtypes whose activations can move (the CPU collectives' types).
-_MOVING_DTYPES = frozenset({tf.float32, tf.float64})
+# Compute dtypes whose activations can move. 16-bit products are summed
+# over the replicas in float32 (`_Rows.summed`), so a product split along
+# its contraction is rounded to 16 bits once per part, not once per sum.
+_MOVING_DTYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64})
 
 
 class Transposed:
@@ -247,12 +252,23 @@ class _Rows:
         for axis, start, size, whole in slices:
             shape[axis] = whole
             padding[axis] = [start, whole - start - size]
+        wire = _wire(part.dtype)
         if self.primary:
-            canvas = tf.pad(part, padding)
+            canvas = tf.pad(tf.cast(part, wire), padding)
         else:
             # Every distinct block is added once: zeros from its copies.
-            canvas = tf.zeros(tf.stack(shape), part.dtype)
-        return collectives.all_reduce_sum(self.ctx, canvas)
+            canvas = tf.zeros(tf.stack(shape), wire)
+        return tf.cast(collectives.all_reduce_sum(self.ctx, canvas), part.dtype)
+
+    def weighted(self, t):
+        """`t`'s gathered rows, each times its replica's gradient weight.
+
+        The weights are float32: a 16-bit `t` is weighted in float32 and
+        rounded once.
+        """
+        wire = _wire(t.dtype)
+        weights = tf.cast(self.per_row(self.row_weights, t), wire)
+        return tf.cast(tf.cast(t, wire) * weights, t.dtype)
 
 
 def contract(
@@ -290,7 +306,7 @@ def contract(
         for label in out_labels
     ]
 
-    if dtype in _MOVING_DTYPES and stored.dtype == dtype:
+    if dtype in _MOVING_DTYPES and stored.dtype.is_floating:
         contracted = math.prod(
             n
             for n, label in zip(full, k_labels, strict=True)
@@ -335,14 +351,32 @@ def contract(
     def gathered_kernel(raw):
         return tf.cast(sharded.all_blocks(ctx, raw, placement), dtype)
 
+    def split(axis_labels):
+        return any(size != whole for _, _, size, whole in slices(axis_labels))
+
+    wide = _wire(dtype)
+
+    def summed_product(a, b, along):
+        """The parts of `product(a, b)`, summed over the replicas.
+
+        A 16-bit product whose contraction the kernel splits (`along`) is
+        computed and summed in float32 and rounded once, as one device's
+        single product rounds once; otherwise each part is one device's
+        own columns, in its dtype.
+        """
+        if wide != dtype and split(along):
+            a, b = tf.cast(a, wide), tf.cast(b, wide)
+        return product(a, b)
+
     @tf.custom_gradient
     def op(x, raw):
         block = tf.cast(raw, dtype)
 
         def moving_forward():
             x_in = cut(mesh.gather(x), x_labels)
-            part = product(x_in, block)
-            return mesh.own(mesh.summed(part, slices(out_labels)))
+            part = summed_product(x_in, block, x_labels)
+            y = mesh.own(mesh.summed(part, slices(out_labels)))
+            return tf.cast(y, dtype)
 
         def kernel_forward():
             return product(x, gathered_kernel(raw))
@@ -354,11 +388,22 @@ def contract(
             def moving_backward():
                 x_in = cut(mesh.gather(x), x_labels)
                 dy_all = cut(mesh.gather(dy), out_labels)
-                weights = tf.cast(mesh.per_row(mesh.row_weights, dy_all), dtype)
-                dx_part, _ = _gradients(product, x_in, block, dy_all)
-                _, d_block = _gradients(product, x_in, block, dy_all * weights)
+                # dx contracts the output's labels, d_block the rows (all
+                # of them here, as on one device).
+                if wide != dtype and split(out_labels):
+                    dx_part, _ = _gradients(
+                        product,
+                        tf.cast(x_in, wide),
+                        tf.cast(block, wide),
+                        tf.cast(dy_all, wide),
+                    )
+                else:
+                    dx_part, _ = _gradients(product, x_in, block, dy_all)
+                _, d_block = _gradients(
+                    product, x_in, block, mesh.weighted(dy_all)
+                )
                 dx = mesh.own(mesh.summed(dx_part, slices(x_labels)))
-                return dx, tf.cast(d_block, raw.dtype)
+                return tf.cast(dx, dtype), tf.cast(d_block, raw.dtype)
 
             def kernel_backward():
                 dx, d_kernel = _gradients(product, x, gathered_kernel(raw), dy)
@@ -429,11 +474,10 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
 
         def grad(dy):
             dy_all = mesh.gather(dy)[..., h_begin : h_begin + h_local]
-            weights = tf.cast(mesh.per_row(mesh.row_weights, dy_all), dtype)
             keep = tf.logical_and(inside, mesh.per_row(mesh.valid, inside))
             keep = tf.reshape(keep, [-1])
             values = tf.boolean_mask(
-                tf.reshape(dy_all * weights, [-1, h_local]), keep
+                tf.reshape(mesh.weighted(dy_all), [-1, h_local]), keep
             )
             indices = tf.boolean_mask(tf.reshape(local_ids, [-1]), keep)
             return tf.IndexedSlices(
@@ -457,6 +501,11 @@ def _gradients(product, a, b, upstream):
         tape.watch([a, b])
         out = product(a, b)
     return tape.gradient(out, [a, b], output_gradients=upstream)
+
+
+def _wire(dtype: tf.DType) -> tf.DType:
+    """The dtype sums and weights of `dtype` values are carried in."""
+    return tf.float32 if dtype.size < 4 else dtype
 
 
 def _choose(moving, moving_fn, kernel_fn):
