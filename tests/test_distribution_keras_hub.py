@@ -123,3 +123,60 @@ def test_keras_hub_llama_layout_map_trains_as_one_device():
         assert set(kr.shard_shapes(kernel).values()) == {block}, name
     _same_history(h0, h1, rtol=1e-4)
     _same_weights(reference, model, rtol=1e-4)
+
+
+def _gemma_weights(distribution, dtype):
+    """A 16-bit GemmaCausalLM fitted under `distribution`: its weights."""
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=4,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+        dtype=dtype,
+    )
+    causal_lm = keras_hub.models.GemmaCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    causal_lm.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model, history = _fit(causal_lm)
+    weights = [w.astype("float64") for w in model.get_weights()]
+    return weights, history["loss"]
+
+
+@pytest.mark.parametrize("dtype", ["mixed_bfloat16", "bfloat16"])
+def test_keras_hub_gemma_in_16_bits_trains_as_close_to_one_device_as_dp(dtype):
+    # 16-bit products round each replica's own gradients, so no replicated
+    # run gives one device's weights to float32 tolerance; ModelParallel
+    # (its products moving rows, summed in float32) is as close as
+    # DataParallel.
+    one, one_loss = _gemma_weights(None, dtype)
+    devices = keras.distribution.list_devices()[:4]
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(_mesh((2, 2)))
+    model, model_loss = _gemma_weights(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        ),
+        dtype,
+    )
+    data, _ = _gemma_weights(
+        keras.distribution.DataParallel(devices=devices), dtype
+    )
+
+    def deviation(weights):
+        return sum(
+            np.abs(a - b).sum() for a, b in zip(one, weights, strict=True)
+        ) / sum(np.abs(a).sum() for a in one)
+
+    assert deviation(model) <= 2 * deviation(data), (
+        deviation(model),
+        deviation(data),
+    )
+    np.testing.assert_allclose(model_loss, one_loss, rtol=1e-3)
