@@ -58,7 +58,8 @@ COMPAT_PAIRS := 2.19.1/3.10.0 2.20.0/3.12.0
 # The core tests, and the ones of the version-specific code itself.
 COMPAT_TESTS := tests/test_local_replicator.py tests/test_drop_in.py \
 	tests/test_distribution.py tests/test_primitives.py tests/test_sharding.py \
-	tests/test_patches.py tests/test_versions.py
+	tests/test_patches.py tests/test_versions.py \
+	tests/test_sharded_contraction.py
 # test_patches' install-order sweep (about 250 permutations) adds minutes
 # and nothing version-specific: it runs in `make test`.
 COMPAT_DESELECT := -k "not test_any_install_order"

@@ -24,10 +24,21 @@ from keras import ops
 
 import keras_replicator as kr
 from keras_replicator._src.core import placements
+from keras_replicator._src.core import versions
 from keras_replicator._src.sharding import contraction
 from tests import helpers
 
-TOL = {"float32": 2e-5, "float64": 1e-10}
+# float64 checks that the paths compute what one device computes; float32
+# that rounding stays at float tolerance after Adam. TensorFlow 2.19's
+# `tf.einsum` of a kernel's block of heads is not the whole einsum's to the
+# bit, as 2.20's and 2.21's is (a block's `matmul` is on all three): there
+# an EinsumDense's last-bit differences grow to 2.6e-5 of the weights here
+# (DataParallel: 9e-7; float64 still 1e-10; the 4 x Dense(2048) model of
+# `benchmarks/memory.py`: 2.3e-6 on both).
+TOL = {
+    "float32": 5e-5 if versions.matches("tensorflow", "<2.20") else 2e-5,
+    "float64": 1e-10,
+}
 
 
 @pytest.fixture(autouse=True)
