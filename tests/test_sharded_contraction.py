@@ -369,28 +369,28 @@ def _embedding_mlp():
     return model
 
 
-def _deviation(weights, reference):
-    """Sum of |weight differences| over the sum of |weights|: all weights."""
-    pairs = [
-        (a.astype("float64"), b.astype("float64"))
-        for a, b in zip(reference, weights, strict=True)
-    ]
-    return sum(np.abs(a - b).sum() for a, b in pairs) / sum(
-        np.abs(a).sum() for a, _ in pairs
-    )
-
-
 @pytest.mark.parametrize(
-    "policy, ulp", [("mixed_bfloat16", 2.0**-8), ("mixed_float16", 2.0**-11)]
+    "policy, mesh, static",
+    [
+        ("mixed_bfloat16", (1, 4), True),
+        ("mixed_float16", (1, 4), True),
+        # Blocks with copies (zeros from the copies), batches of unknown
+        # size (the path chosen in the graph), an uneven last batch.
+        ("mixed_bfloat16", (2, 2), False),
+    ],
 )
 def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
-    policy, ulp, monkeypatch
+    policy, mesh, static, monkeypatch
 ):
-    # Mixed precision: float32 weights, 16-bit products. Rows move (the
-    # parts summed in float32); a column block is one device's to the bit,
-    # a product split along its contraction is rounded once. Trained, the
-    # 16-bit rounding of each replica's own gradients makes DataParallel
-    # differ from one device: ModelParallel stays as close.
+    # Mixed precision: float32 weights, 16-bit products. Rows move; a column
+    # block is one device's to the bit, a product split along its
+    # contraction is summed in float32 and rounded once, and a block's
+    # gradient is computed from every row at once, as on one device. So a
+    # step's kernel updates are about as close to one device's as
+    # DataParallel's (whose replicas each round their own gradient to 16
+    # bits), or closer.
+    # (Over many steps 16-bit differences grow chaotically in any
+    # replicated run: there the test asks for one device's losses.)
     chosen = []
     choose = contraction._choose
 
@@ -400,43 +400,69 @@ def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
 
     monkeypatch.setattr(contraction, "_choose", spy)
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 64, size=(64, 6)).astype("int32")
-    y = rng.normal(size=(64, 4)).astype("float32")
+    x = rng.integers(0, 64, size=(58, 6)).astype("int32")
+    y = rng.normal(size=(58, 4)).astype("float32")
+    if static:
+        data = tf.data.Dataset.from_tensor_slices((x[:48], y[:48])).batch(
+            16, drop_remainder=True
+        )
+    else:
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     layouts = {
         ".*d0/kernel": (None, "model"),
         ".*d1/kernel": ("model", None),
         ".*emb/embeddings": ("model", None),
     }
+    kernels = ("emb", "d0", "d1")
+    ulp = 2.0**-8 if policy == "mixed_bfloat16" else 2.0**-11
     saved = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        fitted, predicted = {}, {}
+        step, losses, predicted = {}, {}, {}
         for name, distribution in (
             ("one", None),
-            ("model", _model_parallel((1, 4), layouts)),
+            ("model", _model_parallel(mesh, layouts)),
             ("data", keras.distribution.DataParallel(
                 devices=keras.distribution.list_devices()[:4]
             )),
         ):  # fmt: skip
             keras.distribution.set_distribution(distribution)
             model = _embedding_mlp()
-            predicted[name] = model.predict(x, batch_size=16, verbose=0)
-            model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+            predicted[name] = model.predict(x[:48], batch_size=16, verbose=0)
+            if name == "model":
+                chosen.clear()  # the paths of fit's steps, below
             # Read under its own distribution (its replicator's scope).
-            fitted[name] = model.get_weights()
+            before = [layer.weights[0].numpy() for layer in map(
+                model.get_layer, kernels
+            )]  # fmt: skip
+            model.fit(data.take(1), verbose=0, shuffle=False)
+            step[name] = [
+                model.get_layer(k).weights[0].numpy() - b
+                for k, b in zip(kernels, before, strict=True)
+            ]
+            history = model.fit(data, epochs=2, verbose=0, shuffle=False)
+            losses[name] = history.history["loss"]
             if name == "model":
                 d1 = model.get_layer("d1")
                 assert d1.compute_dtype == policy[len("mixed_") :]
                 blocks = set(kr.shard_shapes(d1.kernel).values())
-                assert blocks == {(64, 256)}
+                assert blocks == {(256 // mesh[1], 256)}
     finally:
         keras.config.set_dtype_policy(saved)
-    assert chosen and all(moving is True for moving in chosen), chosen
+    # Every product moved rows: decided when traced (static batches), or in
+    # the graph.
+    if static:
+        assert chosen and all(moving is True for moving in chosen), chosen
+    else:
+        assert chosen and all(tf.is_tensor(moving) for moving in chosen)
     scale = float(np.abs(predicted["one"]).max())
     assert np.abs(predicted["model"] - predicted["one"]).max() <= ulp * scale
-    model_deviation = _deviation(fitted["model"], fitted["one"])
-    data_deviation = _deviation(fitted["data"], fitted["one"])
-    assert model_deviation <= 2 * data_deviation + 1e-7, (
-        model_deviation,
-        data_deviation,
-    )
+    for kernel, one, ours, data_parallel in zip(
+        kernels, step["one"], step["model"], step["data"], strict=True
+    ):
+        error = np.abs(ours - one).max() / np.abs(one).max()
+        data_error = np.abs(data_parallel - one).max() / np.abs(one).max()
+        # A quarter of a 16-bit ulp of slack: float16 products on the CPU
+        # are not float32's rounded once (bfloat16's are, to the bit here).
+        assert error <= data_error + ulp / 4, (kernel, error, data_error)
+    np.testing.assert_allclose(losses["model"], losses["one"], rtol=1e-3)

@@ -42,11 +42,11 @@ this path: a dense `x` whose first dimension is the batch (not a kernel
 dimension) and whose trailing dimensions are the same on every replica
 (as Keras splits a global batch), in a traced step (not eagerly), in a
 compute dtype of float32, float64, bfloat16 or float16 (other dtypes take
-the kernel-moving path). 16-bit parts are summed over the replicas in
-float32, and a 16-bit product whose contraction the kernel splits is
-computed in float32 and rounded once, as one device's single product is
-(mixed precision: float32 weights, 16-bit products). Anything else is left
-to the stock op and `sharded.gathered`.
+the kernel-moving path). A 16-bit product whose contraction the kernel
+splits is computed and summed over the replicas in float32 and rounded
+once, as one device's single product is (mixed precision: float32
+weights, 16-bit products); disjoint blocks are summed in 16 bits,
+exactly. Anything else is left to the stock op and `sharded.gathered`.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
 
-# Compute dtypes whose activations can move. 16-bit products are summed
-# over the replicas in float32 (`_Rows.summed`), so a product split along
-# its contraction is rounded to 16 bits once per part, not once per sum.
+# Compute dtypes whose activations can move. A 16-bit product split along
+# its contraction is computed and summed over the replicas in float32
+# (`summed_product`), so it is rounded to 16 bits once, not once per part.
 _MOVING_DTYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64})
 
 
@@ -246,19 +246,21 @@ class _Rows:
         """The replicas' parts, each placed in its slices, summed.
 
         `slices`: `(axis, begin, size, full)` of the part in the whole.
+        Summed in `part`'s dtype: where parts overlap (a split contraction)
+        a 16-bit product comes here in float32 (`summed_product`); disjoint
+        blocks (and the zeros of copies) add exactly in any dtype.
         """
         shape = tf.unstack(tf.shape(part))
         padding = [[0, 0]] * part.shape.rank
         for axis, start, size, whole in slices:
             shape[axis] = whole
             padding[axis] = [start, whole - start - size]
-        wire = _wire(part.dtype)
         if self.primary:
-            canvas = tf.pad(tf.cast(part, wire), padding)
+            canvas = tf.pad(part, padding)
         else:
             # Every distinct block is added once: zeros from its copies.
-            canvas = tf.zeros(tf.stack(shape), wire)
-        return tf.cast(collectives.all_reduce_sum(self.ctx, canvas), part.dtype)
+            canvas = tf.zeros(tf.stack(shape), part.dtype)
+        return collectives.all_reduce_sum(self.ctx, canvas)
 
     def weighted(self, t):
         """`t`'s gathered rows, each times its replica's gradient weight.
@@ -409,10 +411,13 @@ def contract(
                 dx, d_kernel = _gradients(product, x, gathered_kernel(raw), dy)
                 # `gradients.mean_gradients`' average, in one collective
                 # that may sit in a `tf.cond` branch.
-                d_kernel = tf.cast(d_kernel, raw.dtype)
-                own_weight = tf.cast(mesh.weight, raw.dtype)
+                # A 16-bit kernel's (bfloat16 weights) in float32.
+                wire = _wire(raw.dtype)
+                d_kernel = tf.cast(d_kernel, wire)
+                own_weight = tf.cast(mesh.weight, wire)
                 reduced = collectives.all_reduce_sum(ctx, d_kernel * own_weight)
-                return dx, placement.block(reduced, mesh.replica)
+                block = placement.block(reduced, mesh.replica)
+                return dx, tf.cast(block, raw.dtype)
 
             dx, d_raw = _choose(moving, moving_backward, kernel_backward)
             dx.set_shape(x.shape)
