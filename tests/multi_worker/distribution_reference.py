@@ -61,8 +61,11 @@ def build_batch_statistics():
     return _compiled(model)
 
 
-def dataset(batched=True, known_length=True):
+def dataset(batched=True, known_length=True, static=False):
     """The examples, in global batches; `known_length=False`: a `filter`.
+
+    `static=True`: batches whose size is known when traced
+    (`drop_remainder`; 64 examples make 4 whole batches either way).
 
     Keras trains a dataset of unknown length until it runs out, and its
     extra call at each epoch's end counts one more optimizer iteration (on
@@ -75,7 +78,9 @@ def dataset(batched=True, known_length=True):
     examples = tf.data.Dataset.from_tensor_slices((x, y))
     if not known_length:
         examples = examples.filter(lambda x, y: True)
-    return examples.batch(GLOBAL_BATCH) if batched else examples
+    if not batched:
+        return examples
+    return examples.batch(GLOBAL_BATCH, drop_remainder=static)
 
 
 def train(model, data=None):
@@ -85,16 +90,50 @@ def train(model, data=None):
     return history.history
 
 
-def one_device_run(folder, known_length=True, make=build):
+# The mixed-precision run: float32 weights, bfloat16 products.
+MIXED = "mixed_bfloat16"
+
+
+def build_mixed():
+    """`build`'s layers made wide enough that products move rows.
+
+    d1 and d2 are 64 x 64 (`LAYOUTS`): 4096 values, more than the 16 rows
+    of 64 + 64 a step moves, so each product gathers rows, not the kernel.
+    """
+    keras.utils.set_random_seed(17)
+    model = keras.Sequential(
+        [
+            keras.Input((12,)),
+            keras.layers.Dense(64, activation="relu", name="d0"),
+            keras.layers.Dense(64, activation="relu", name="d1"),
+            keras.layers.Dense(64, activation="tanh", name="d2"),
+            keras.layers.Dense(3, name="d3", dtype="float32"),
+        ]
+    )
+    return _compiled(model)
+
+
+def one_device_run(
+    folder, known_length=True, make=build, policy=None, static=False
+):
     """The reference: initial weights saved to `folder`, then one device.
+
+    `policy`: a Keras dtype policy to build and train under (then restored).
 
     Returns:
         `{"init": <initial weights .npz>, "history": ..., "weights": ...}`.
     """
+    if policy is not None:
+        saved = keras.config.dtype_policy()
+        keras.config.set_dtype_policy(policy)
+        try:
+            return one_device_run(folder, known_length, make, static=static)
+        finally:
+            keras.config.set_dtype_policy(saved)
     model = make()
     init = folder / "init.npz"
     np.savez(init, *model.get_weights())
-    history = train(model, dataset(known_length=known_length))
+    history = train(model, dataset(known_length=known_length, static=static))
     return {"init": init, "history": history, "weights": model.get_weights()}
 
 

@@ -1,15 +1,17 @@
 """Worker of test_distribution.py: keras.distribution over 2 processes.
 
-argv: <initial weights .npz> <the batch-statistics model's .npz>. Calls
+argv: <initial weights .npz> <the batch-statistics model's .npz> <the
+mixed-precision run's .npz>. Calls
 `keras.distribution.initialize()` (from Keras' variables on worker 0,
 TF_CONFIG on worker 1), then trains the model of `distribution_reference`
 under `ModelParallel` on a (batch 2 across processes) x (model 2 inside a
 process) mesh fed by our sharder, and on a (1, 4) mesh whose model axis
 spans the processes (fed by Keras' per-process cut; and the (2, 2) mesh
 again on data of unknown length), then the batch-statistics model
-(`Dropout`, `BatchNormalization`) on the (2, 2) mesh, and reports the
-numbers, the devices and where the weights live. `DataParallel` and the
-(2, 2) mesh fed by Keras' cut are `examples/gemma_model_parallel.py`'s,
+(`Dropout`, `BatchNormalization`) on the (2, 2) mesh, and the first model
+under `mixed_bfloat16` on the (1, 4) mesh, and reports the numbers, the
+devices and where the weights live. `DataParallel` and the (2, 2) mesh fed
+by Keras' cut are `examples/gemma_model_parallel.py`'s,
 launched by test_distribution_gemma.py.
 """
 
@@ -94,5 +96,39 @@ report["batch_statistics"] = {
     "history": history,
     "weights": model.get_weights(),
 }
+# Mixed precision with the model axis across the processes: bfloat16 rows
+# cross the wire (the products' gathers and sums).
+from keras_replicator._src.sharding import contraction  # noqa: E402
+
+paths = []
+choose = contraction._choose
+
+
+def _recorded(moving, moving_fn, kernel_fn):
+    # A Python bool when chosen at trace time, else chosen in the graph
+    # (Keras' per-process cut of a batch loses its static size): then the
+    # rows path says so when it runs.
+    paths.append(str(moving) if isinstance(moving, bool) else "graph")
+
+    def rows():
+        with tf.control_dependencies([tf.print("mixed: rows moved")]):
+            return tf.nest.map_structure(tf.identity, moving_fn())
+
+    return choose(moving, rows, kernel_fn)
+
+
+contraction._choose = _recorded
+keras.config.set_dtype_policy(reference.MIXED)
+keras.distribution.set_distribution(reference.distribution("model_across"))
+model = reference.build_mixed()
+model.set_weights(list(np.load(sys.argv[3]).values()))
+history = reference.train(model, reference.dataset(static=True))
+report["mixed"] = {
+    "history": history,
+    "weights": model.get_weights(),
+    "compute_dtype": model.get_layer("d1").compute_dtype,
+    "paths": sorted(set(paths)),
+}
+keras.config.set_dtype_policy("float32")
 keras.distribution.set_distribution(None)
 harness.write_result(report)
