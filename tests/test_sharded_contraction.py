@@ -466,3 +466,37 @@ def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
         # are not float32's rounded once (bfloat16's are, to the bit here).
         assert error <= data_error + ulp / 4, (kernel, error, data_error)
     np.testing.assert_allclose(losses["model"], losses["one"], rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "policy, moves", [("float32", False), ("mixed_bfloat16", True)]
+)
+def test_the_path_is_chosen_by_bytes(policy, moves, monkeypatch):
+    # A 64 x 64 kernel, 48 rows of 64 in and 64 out over 4 replicas: 6144
+    # values of rows against 4096 of kernel. In float32 the kernel is fewer
+    # bytes (16 KiB against 24); with bfloat16 rows it is more (16 KiB
+    # against 12).
+    chosen = []
+    choose = contraction._choose
+
+    def spy(moving, moving_fn, kernel_fn):
+        chosen.append(moving)
+        return choose(moving, moving_fn, kernel_fn)
+
+    monkeypatch.setattr(contraction, "_choose", spy)
+    saved = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.distribution.set_distribution(
+            _model_parallel((1, 4), {".*d/kernel": (None, "model")})
+        )
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(64, name="d")]
+        )
+        model.compile("sgd", "mse")
+        x = np.ones((48, 64), "float32")
+        data = tf.data.Dataset.from_tensors((x, x))
+        model.fit(data, verbose=0, shuffle=False)
+    finally:
+        keras.config.set_dtype_policy(saved)
+    assert chosen and all(moving is moves for moving in chosen), chosen

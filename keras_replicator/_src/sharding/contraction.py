@@ -15,15 +15,16 @@ by the step's rows: when traced if the batch's shape is known then (the
 same on every replica, as Keras splits a global batch), else in the graph
 (`tf.cond` on the gathered row counts, the same on every replica):
 
-- **Activations move** when the whole mesh's rows are fewer values than the
-  kernel (`N x rows x (row of x + row of y) <= kernel size`: a language
-  model's or an MLP's small batches). Every replica gathers every
-  replica's rows of `x` (`X`), contracts them with its own block, and the
-  replicas sum their products into the full output, of which each keeps
-  its rows. In the backward pass the output gradients are gathered (`dY`):
-  each replica computes its block's gradient from `X` and `dY` directly,
-  each replica's rows weighted as the step's gradient rule weighs its
-  examples (`gradients.replica_weights`, so the block equals what
+- **Activations move** when the whole mesh's rows are fewer bytes than the
+  kernel (`N x rows x (row of x + row of y)` in the compute dtype `<=` the
+  kernel in its stored dtype: a language model's or an MLP's small batches;
+  under mixed precision rows are 16-bit, the kernel float32). Every replica
+  gathers every replica's rows of `x` (`X`), contracts them with its own
+  block, and the replicas sum their products into the full output, of which
+  each keeps its rows. In the backward pass the output gradients are
+  gathered (`dY`): each replica computes its block's gradient from `X` and
+  `dY` directly, each replica's rows weighted as the step's gradient rule
+  weighs its examples (`gradients.replica_weights`, so the block equals what
   `gradients.mean_gradients` makes of the full gradients), and the input
   gradient is the sum of the blocks' products. No full kernel and no full
   kernel gradient exists anywhere; the transients are the mesh's rows.
@@ -319,19 +320,26 @@ def contract(
             for n, label in zip(full, k_labels, strict=True)
             if label in out_labels
         )
+        # Bytes, not values: under mixed precision rows are 16-bit and the
+        # kernel float32 (the same sizes: the rule in values).
+        kernel_bytes = math.prod(full) * stored.dtype.size
         if x.shape.is_fully_defined():
             # Rows known when traced: the same on every replica (Keras
             # splits a global batch), so is the choice; no `tf.cond`.
             x_row = math.prod(x.shape[1:])
-            moving = mesh.replicas * x.shape[0] * (
-                x_row + x_row // contracted * free
-            ) <= math.prod(full)
+            moving = (
+                mesh.replicas
+                * x.shape[0]
+                * (x_row + x_row // contracted * free)
+                * dtype.size
+                <= kernel_bytes
+            )
         else:
             x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
             y_row = x_row / contracted * free
             moving = tf.cast(mesh.replicas * mesh.most, tf.float64) * (
                 x_row + y_row
-            ) <= float(math.prod(full))
+            ) * dtype.size <= float(kernel_bytes)
     else:
         moving = False
 
