@@ -356,6 +356,20 @@ def test_with_nothing_sharded_the_patched_products_are_stock(restore_patches):
                 _close(a, b)
 
 
+@pytest.fixture
+def chosen(monkeypatch):
+    """The paths the products choose (`contraction._choose`), in order."""
+    paths = []
+    choose = contraction._choose
+
+    def spy(moving, moving_fn, kernel_fn):
+        paths.append(moving)
+        return choose(moving, moving_fn, kernel_fn)
+
+    monkeypatch.setattr(contraction, "_choose", spy)
+    return paths
+
+
 def _embedding_mlp():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,), dtype="int32")
@@ -380,7 +394,7 @@ def _embedding_mlp():
     ],
 )
 def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
-    policy, mesh, static, monkeypatch
+    policy, mesh, static, chosen
 ):
     # Mixed precision: float32 weights, 16-bit products. Rows move; a column
     # block is one device's to the bit, a product split along its
@@ -391,14 +405,6 @@ def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
     # bits), or closer.
     # (Over many steps 16-bit differences grow chaotically in any
     # replicated run: there the test asks for one device's losses.)
-    chosen = []
-    choose = contraction._choose
-
-    def spy(moving, moving_fn, kernel_fn):
-        chosen.append(moving)
-        return choose(moving, moving_fn, kernel_fn)
-
-    monkeypatch.setattr(contraction, "_choose", spy)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 64, size=(58, 6)).astype("int32")
     y = rng.normal(size=(58, 4)).astype("float32")
@@ -471,19 +477,11 @@ def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
 @pytest.mark.parametrize(
     "policy, moves", [("float32", False), ("mixed_bfloat16", True)]
 )
-def test_the_path_is_chosen_by_bytes(policy, moves, monkeypatch):
+def test_the_path_is_chosen_by_bytes(policy, moves, chosen):
     # A 64 x 64 kernel, 48 rows of 64 in and 64 out over 4 replicas: 6144
     # values of rows against 4096 of kernel. In float32 the kernel is fewer
     # bytes (16 KiB against 24); with bfloat16 rows it is more (16 KiB
     # against 12).
-    chosen = []
-    choose = contraction._choose
-
-    def spy(moving, moving_fn, kernel_fn):
-        chosen.append(moving)
-        return choose(moving, moving_fn, kernel_fn)
-
-    monkeypatch.setattr(contraction, "_choose", spy)
     saved = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
