@@ -65,7 +65,7 @@ from keras_replicator._src.sharding import sharded
 
 # Compute dtypes whose activations can move. A 16-bit product split along
 # its contraction is computed and summed over the replicas in float32
-# (`summed_product`), so it is rounded to 16 bits once, not once per part.
+# (`widened`), so it is rounded to 16 bits once, not once per part.
 _MOVING_DTYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64})
 
 
@@ -248,7 +248,7 @@ class _Rows:
 
         `slices`: `(axis, begin, size, full)` of the part in the whole.
         Summed in `part`'s dtype: where parts overlap (a split contraction)
-        a 16-bit product comes here in float32 (`summed_product`); disjoint
+        a 16-bit product comes here in float32 (`widened`); disjoint
         blocks (and the zeros of copies) add exactly in any dtype.
         """
         shape = tf.unstack(tf.shape(part))
@@ -366,17 +366,17 @@ def contract(
 
     wide = _wire(dtype)
 
-    def summed_product(a, b, along):
-        """The parts of `product(a, b)`, summed over the replicas.
+    def widened(along, *tensors):
+        """`tensors` in float32 if 16-bit and the kernel splits `along`.
 
-        A 16-bit product whose contraction the kernel splits (`along`) is
-        computed and summed in float32 and rounded once, as one device's
-        single product rounds once; otherwise each part is one device's
-        own columns, in its dtype.
+        A 16-bit product whose contraction the kernel splits is computed
+        and summed over the replicas in float32 and rounded once, as one
+        device's single product rounds once; otherwise each part is one
+        device's own columns, in its dtype.
         """
         if wide != dtype and split(along):
-            a, b = tf.cast(a, wide), tf.cast(b, wide)
-        return product(a, b)
+            return [tf.cast(t, wide) for t in tensors]
+        return list(tensors)
 
     @tf.custom_gradient
     def op(x, raw):
@@ -384,7 +384,7 @@ def contract(
 
         def moving_forward():
             x_in = cut(mesh.gather(x), x_labels)
-            part = summed_product(x_in, block, x_labels)
+            part = product(*widened(x_labels, x_in, block))
             y = mesh.own(mesh.summed(part, slices(out_labels)))
             return tf.cast(y, dtype)
 
@@ -400,15 +400,9 @@ def contract(
                 dy_all = cut(mesh.gather(dy), out_labels)
                 # dx contracts the output's labels, d_block the rows (all
                 # of them here, as on one device).
-                if wide != dtype and split(out_labels):
-                    dx_part, _ = _gradients(
-                        product,
-                        tf.cast(x_in, wide),
-                        tf.cast(block, wide),
-                        tf.cast(dy_all, wide),
-                    )
-                else:
-                    dx_part, _ = _gradients(product, x_in, block, dy_all)
+                dx_part, _ = _gradients(
+                    product, *widened(out_labels, x_in, block, dy_all)
+                )
                 _, d_block = _gradients(
                     product, x_in, block, mesh.weighted(dy_all)
                 )
