@@ -116,15 +116,13 @@ def distribution(kind, mesh_arg):
     devices = keras.distribution.list_devices()
     if kind == "data_parallel":
         return keras.distribution.DataParallel(devices=devices)
-    from keras.src.backend import distribution_lib
-
     if mesh_arg:
         shape = tuple(int(n) for n in mesh_arg.split(","))
         # On one host a mesh may use the first devices; over several
         # processes it must hold them all.
         devices = devices[: shape[0] * shape[1]]
     else:
-        processes = distribution_lib.num_processes()
+        processes = kr.process_count()
         batch = processes if processes > 1 else 2 - len(devices) % 2
         shape = (batch, len(devices) // batch)
     mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), devices)
@@ -142,9 +140,7 @@ def main(argv=None):
     if args.distribution != "none":
         # Before any other TensorFlow code: it starts this process's server.
         keras.distribution.initialize()
-    from keras.src.backend import distribution_lib
-
-    process = distribution_lib.process_id()
+    process = kr.process_index()
     keras.distribution.set_distribution(
         distribution(args.distribution, args.mesh)
     )
@@ -166,13 +162,13 @@ def main(argv=None):
         epochs=args.epochs,
         shuffle=False,  # `dataset` is not shuffled; Keras warns otherwise
         callbacks=callbacks,
-        verbose=2 if process == 0 else 0,
+        verbose=2 if kr.is_chief() else 0,
     )
     seconds = time.perf_counter() - start
     table = model.backbone.get_layer("token_embedding").embeddings
     shapes = {d: list(s) for d, s in kr.shard_shapes(table).items()}
     weights = model.get_weights()  # every process gathers, together
-    if process == 0:
+    if kr.is_chief():
         print(
             f"{args.distribution}: accuracy "
             f"{history.history['accuracy'][-1]:.3f}, {seconds:.1f} s; "

@@ -30,6 +30,9 @@ else:
     from keras_replicator._src.core.devices import configure_cpu_replicas
     from keras_replicator._src.distribution import api as _distribution_api
     from keras_replicator._src.distribution.api import shard_shapes
+    from keras_replicator._src.distribution.process_info import is_chief
+    from keras_replicator._src.distribution.process_info import process_count
+    from keras_replicator._src.distribution.process_info import process_index
     from keras_replicator._src.primitives import all_gather
     from keras_replicator._src.primitives import all_max
     from keras_replicator._src.primitives import all_mean
@@ -85,11 +88,14 @@ __all__ = (
     "callbacks",
     "configure_cpu_replicas",
     "data",
+    "is_chief",
     "launch",
     "layers",
     "layout_report",
     "load_checkpoint",
     "num_replicas",
+    "process_count",
+    "process_index",
     "replica_id",
     "save_checkpoint",
     "shard_shapes",

@@ -3,9 +3,12 @@
 The reference pages in docs/ are made of mkdocstrings entries
 (`::: keras_replicator.Name`) that the site build (`make docs`) fills from
 the docstrings, and fails on in strict mode when one does not resolve. These
-tests fail when a public name has no entry or no docstring.
+tests fail when a public name has no entry or no docstring, and when
+README.md, a page of docs/ or a public docstring names a `kr.`,
+`keras_replicator.` or `keras.distribution.` name that does not exist.
 """
 
+import importlib
 import inspect
 import pathlib
 import re
@@ -14,9 +17,16 @@ import keras_replicator as kr
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMESPACES = ("callbacks", "data", "layers")
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 # `::: identifier` at the start of a line (mkdocstrings' autodoc syntax).
 _ENTRY = re.compile(r"^:::[ \t]+([\w.]+)", re.M)
+# A name a page or docstring tells the reader to use, in prose or code
+# (`kr.is_chief()`, `keras_replicator.data.shard`,
+# `keras.distribution.initialize()`), with its attributes.
+_USED = re.compile(
+    r"(?<![\w.])(kr|keras_replicator|keras\.distribution)((?:\.[A-Za-z_]\w*)+)"
+)
 
 
 def _public_names():
@@ -71,3 +81,46 @@ def test_every_public_name_has_a_docstring():
 
 def test_namespaces_are_public():
     assert set(NAMESPACES) <= set(kr.__all__)
+
+
+def _exists(root, attributes):
+    path = "keras_replicator" if root == "kr" else root
+    value = importlib.import_module(path)
+    for attribute in attributes:
+        path += f".{attribute}"
+        try:
+            value = getattr(value, attribute)
+        except AttributeError:
+            try:  # A module not imported yet (`keras_replicator._src...`).
+                value = importlib.import_module(path)
+            except ImportError:
+                return False
+    return True
+
+
+def _texts():
+    for page in PAGES:
+        yield page.relative_to(ROOT).as_posix(), page.read_text("utf-8")
+    for name, obj in _public_names().items():
+        yield f"the docstring of {name}", inspect.getdoc(obj) or ""
+
+
+def test_every_name_the_pages_use_exists():
+    # Prose and ```text blocks too: ```python blocks also run
+    # (tests/test_doc_examples.py), the others never do.
+    missing = []
+    for where, text in _texts():
+        for used in _USED.finditer(text):
+            if not _exists(used.group(1), used.group(2).split(".")[1:]):
+                line = text.count("\n", 0, used.start()) + 1
+                missing.append(f"{where}:{line}: {used.group(0)}")
+    assert not missing, f"names that do not exist: {missing}"
+
+
+def test_the_name_check_sees_a_missing_name():
+    assert _exists("kr", ["process_index"])
+    assert _exists("keras.distribution", ["initialize"])
+    assert _exists("keras_replicator", ["_src", "distribution", "processes"])
+    assert not _exists("kr", ["no_such_name"])
+    assert not _exists("keras.distribution", ["no_such_name"])
+    assert not _exists("keras_replicator", ["_src", "no_such_module"])

@@ -77,11 +77,16 @@ def test_initialize_lists_every_workers_devices(workers):
     for w in workers:
         assert w.result["num_processes"] == 2
         assert w.result["process_id"] == w.index
+        # The public answers: Keras' own after `initialize()`, and before
+        # it, from TF_CONFIG (worker 1; worker 0 has Keras' variables).
+        assert w.result["this_process"] == [w.index, 2, w.index == 0]
         assert w.result["devices"] == DEVICES
         assert (
             "The device mesh has 8 devices but only 4"
             in (w.result["too_large_mesh"])
         )
+    (second,) = [w for w in workers if w.index == 1]
+    assert second.result["this_process_before_initialize"] == [1, 2, False]
 
 
 @pytest.mark.multi_worker

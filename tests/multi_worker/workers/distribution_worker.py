@@ -38,10 +38,15 @@ if harness.task_index() == 0:
     )
     os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"] = "2"
     os.environ["KERAS_DISTRIBUTION_PROCESS_ID"] = "0"
+# Before `initialize()`, and without a TensorFlow op (`initialize` must
+# come first): worker 1 reads its place from TF_CONFIG.
+before = [kr.process_index(), kr.process_count(), kr.is_chief()]
 keras.distribution.initialize()
 report = {
     "num_processes": distribution_lib.num_processes(),
     "process_id": distribution_lib.process_id(),
+    "this_process_before_initialize": before,
+    "this_process": [kr.process_index(), kr.process_count(), kr.is_chief()],
     "devices": keras.distribution.list_devices(),
 }
 # A mesh larger than the cluster: refused before any collective.
