@@ -133,7 +133,7 @@ def _launch(backup, tmp_path, name, env=None):
 
 @pytest.mark.timeout(500)
 def test_a_backup_reshards_between_one_host_and_two_workers(
-    one_device, tmp_path
+    one_device, tmp_path, capfd
 ):
     backup = tmp_path / "backup"
 
@@ -212,7 +212,13 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
             weights = [np.asarray(w) for w in results[0]["weights"]]
             trained = results[0]["trained"]
         else:
+            capfd.readouterr()
             weights, trained = _fit_on_one_host(copy, distribution=where)
+            # The workers' replicator by the name the documentation uses.
+            assert (
+                "resuming a backup written on MultiWorkerReplicator (2 "
+                "workers, 4 replicas) on LocalReplicator ("
+            ) in capfd.readouterr().err
         assert ref.step_of(trained[0]) == saved, where
         assert_weights_close(weights, one_device)
     weights, trained = _fit_on_one_host(backup)

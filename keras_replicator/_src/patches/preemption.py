@@ -470,10 +470,27 @@ def _log_state(what: str, model, epoch: int, done: int) -> None:
 def topology(strategy) -> dict:
     """What a backup records of the replicator it was written under."""
     return {
-        "replicator": type(strategy).__name__,
+        "replicator": _public_class_name(strategy),
         "workers": int(getattr(strategy, "num_workers", 1) or 1),
         "replicas": int(strategy.num_replicas_in_sync),
     }
+
+
+def _public_class_name(strategy) -> str:
+    """The class of `strategy` a user knows: exported, or their own.
+
+    A mesh over several processes runs on an internal subclass of
+    `MultiWorkerReplicator` (`distribution/runtime.py`); messages name
+    `MultiWorkerReplicator`, which the documentation does.
+    """
+    # Read, not imported: the package imports this patch.
+    package = sys.modules.get("keras_replicator")
+    for cls in type(strategy).__mro__:
+        if not cls.__module__.startswith("keras_replicator."):
+            return cls.__name__  # the user's own, or TensorFlow's
+        if getattr(package, cls.__name__, None) is cls:
+            return cls.__name__
+    return type(strategy).__name__
 
 
 def _describe(saved: dict) -> str:
