@@ -18,13 +18,22 @@ scores about -1200 and a good one about -150).
 
     python examples/d4pg.py --replicas 2             # full run
     python examples/d4pg.py --smoke                  # CI: about a minute
+
+Needs gymnasium, which no extra of keras-replicator's but `dev` installs:
+`pip install gymnasium`.
 """
 
 import argparse
+import importlib.util
 import json
+import sys
 import time
 
-import keras_replicator as kr
+if importlib.util.find_spec("gymnasium") is None:
+    # One line, not a traceback (and before TensorFlow loads).
+    sys.exit("This example needs gymnasium: pip install gymnasium")
+
+import keras_replicator as kr  # noqa: E402
 
 ATOMS = 51
 V_MIN, V_MAX = -100.0, 0.0

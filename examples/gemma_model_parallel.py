@@ -1,5 +1,9 @@
 """keras-hub's Gemma, sharded by its own layout map, on one host or several.
 
+Needs keras-hub, which keras-replicator does not require:
+`pip install "keras-replicator[hub]"` (in a checkout, `pip install ".[hub]"`;
+`make test`'s `dev` extra has it).
+
 The script is plain Keras 3 (`keras.distribution`): `initialize()` joins the
 worker processes `keras-replicator launch` (or Kubernetes, Slurm, mpiexec)
 started, `GemmaBackbone.get_layout_map(mesh)` says which weights to split
@@ -26,11 +30,21 @@ with whole values.
 """
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 import time
 
-import keras_replicator as kr  # fills keras.distribution's TF backend
+if importlib.util.find_spec("keras_hub") is None:
+    # One line, not a traceback (and before TensorFlow loads).
+    sys.exit(
+        'This example needs keras-hub: pip install "keras-replicator[hub]" '
+        '(in a checkout: pip install ".[hub]")'
+    )
+
+# Fills keras.distribution's TensorFlow backend.
+import keras_replicator as kr  # noqa: E402
 
 VOCABULARY = 64
 SEQUENCE = 8

@@ -10,13 +10,25 @@ with `replicator.wrap_optimizer` and train N micro-batches per update.
 
     python examples/resnet.py --replicas 4          # full run
     python examples/resnet.py --smoke               # CI: well under a minute
+
+Needs scikit-learn, for the digits: `pip install "keras-replicator[demo]"`
+(in a checkout, `pip install ".[demo]"`; `make demo` installs it).
 """
 
 import argparse
+import importlib.util
 import json
+import sys
 import time
 
-import keras_replicator as kr
+if importlib.util.find_spec("sklearn") is None:
+    # One line, not a traceback (and before TensorFlow loads).
+    sys.exit(
+        'This example needs scikit-learn: pip install "keras-replicator[demo]" '
+        '(in a checkout: pip install ".[demo]")'
+    )
+
+import keras_replicator as kr  # noqa: E402
 
 
 def parse_args():

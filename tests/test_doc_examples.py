@@ -20,6 +20,15 @@ README_MAX_LINES = 200
 
 _FENCE = re.compile(r"^```[ \t]*(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 _RUNNABLE = ("python", "py", "python3")
+# What a page may import beyond keras-replicator's requirements, and the
+# extra (pyproject.toml) that installs it.
+EXTRAS = {
+    "keras_hub": "hub",
+    "mpi4py": "mpi",
+    "sklearn": "demo",
+    "tensorflow_datasets": "datasets",
+}
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.M)
 
 
 def _python_blocks():
@@ -49,6 +58,37 @@ def test_readme_is_a_front_door():
         f"README.md has {len(lines)} lines; keep it at most "
         f"{README_MAX_LINES} and move details into a page in docs/"
     )
+
+
+def test_readme_documentation_list_names_each_page_once():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    lines = section.strip().splitlines()
+    # One item per page: "- [Page](link): ...", its continuation lines
+    # indented under it, no blank line or stray fragment between.
+    strays = [ln for ln in lines if not ln.startswith(("- ", "  ")) or not ln]
+    assert not strays, f"README's Documentation list has strays: {strays}"
+    links = re.findall(r"\]\(([^)]+)\)", section)
+    repeated = sorted({link for link in links if links.count(link) > 1})
+    assert not repeated, f"README's Documentation list repeats {repeated}"
+
+
+def test_a_block_that_needs_an_extra_says_which():
+    # A reader who copies a block must know what to install first: the
+    # block, or the paragraph that introduces it, names the extra.
+    unsaid = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for match in _FENCE.finditer(text):
+            code = match.group(2)
+            before = text[: match.start()].rstrip().rsplit("\n\n", 1)[-1]
+            for module in sorted(set(_IMPORT.findall(code)) & set(EXTRAS)):
+                extra = f"[{EXTRAS[module]}]"
+                if extra not in before and extra not in code:
+                    line = text.count("\n", 0, match.start()) + 1
+                    name = page.relative_to(ROOT).as_posix()
+                    unsaid.append(f"{name}:{line} imports {module}: {extra}")
+    assert not unsaid, f"blocks that do not name their extra: {unsaid}"
 
 
 def test_readme_links_exist():

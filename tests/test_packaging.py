@@ -99,10 +99,16 @@ def test_wheel_metadata_has_license_and_extras(dist):
     assert meta["License"] is None, "the deprecated free-text license"
     assert meta.get_all("License-File") == ["LICENSE"]
     extras = set(meta.get_all("Provides-Extra"))
-    assert {"gpu", "demo", "mpi", "datasets", "dev"} <= extras
+    assert {"gpu", "demo", "mpi", "datasets", "hub", "dev"} <= extras
     requires = meta.get_all("Requires-Dist")
     assert 'tensorflow[and-cuda]<2.22,>=2.19; extra == "gpu"' in requires
     assert any(r.startswith("scikit-learn") for r in requires if "demo" in r)
+    # keras-hub is the `hub` extra's alone, and `dev` (the tests) has it.
+    hub = [r for r in requires if r.startswith("keras-hub")]
+    assert hub == ['keras-hub>=0.20; extra == "hub"'], hub
+    (dev,) = [r for r in requires if r.startswith("keras-replicator[")]
+    assert Requirement(dev).extras == {"demo", "hub"}, dev
+    assert Requirement(dev).marker.evaluate({"extra": "dev"}), dev
 
 
 def test_sdist_holds_what_builds_the_wheel(dist):
@@ -302,3 +308,13 @@ def test_readme_quickstart_trains_from_the_wheel(venv, tmp_path):
         f"{code}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     )
     assert "Epoch 2/2" in result.stdout, result.stdout[-2000:]
+
+
+def test_the_gemma_example_names_the_hub_extra_from_the_wheel(venv, tmp_path):
+    # The wheel alone has no keras-hub: the example says which extra brings
+    # it, in one line, instead of a traceback.
+    script = ROOT / "examples" / "gemma_model_parallel.py"
+    result = _run_in(venv, [venv / "bin" / "python", script], tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert 'pip install "keras-replicator[hub]"' in line, line
