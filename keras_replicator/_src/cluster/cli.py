@@ -1,8 +1,9 @@
 """The `keras-replicator` command.
 
 `--help`, `launch` and `tf-config` never import TensorFlow (see
-`lazy_package`); `env` and `demo` load the package, TensorFlow with it,
-hiding TensorFlow's C++ start-up logs unless `--verbose` is given or
+`lazy_package`); neither does `env` where no GPU can be (`_env`). `demo`,
+`checkpoint` and a TensorFlow-using `env` load the package, TensorFlow with
+it, hiding TensorFlow's C++ start-up logs unless `--verbose` is given or
 `TF_CPP_MIN_LOG_LEVEL` is set (see `tf_logs`). Keep this module's imports
 TensorFlow-free: commands import what they need.
 """
@@ -55,16 +56,78 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if worst >= args.min_accuracy else 1
 
 
-def _env(args: argparse.Namespace) -> int:
-    _load_package(args)
-    import keras
-    import tensorflow as tf
+# Distributions that install the `tensorflow` module, most common first.
+_TENSORFLOW_DISTRIBUTIONS = (
+    "tensorflow",
+    "tensorflow-cpu",
+    "tf-nightly",
+    "tensorflow-macos",
+    "tensorflow-intel",
+)
 
+
+def _installed_version(names: tuple[str, ...]) -> str:
+    """The installed version of the first of `names`, read from metadata."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _versions() -> str:
+    if "tensorflow" in sys.modules:
+        import keras
+        import tensorflow as tf
+
+        return f"tensorflow {tf.__version__}, keras {keras.__version__}"
+    # What is installed, without importing it (the import is 5-8 s).
+    tensorflow = _installed_version(_TENSORFLOW_DISTRIBUTIONS)
+    keras = _installed_version(("keras", "keras-nightly"))
+    return f"tensorflow {tensorflow}, keras {keras}"
+
+
+def _devices(possible: str | None) -> str:
+    """The `devices:` line: TensorFlow's list, or why it was not asked."""
+    if "tensorflow" in sys.modules:
+        import tensorflow as tf
+
+        names = [
+            d.name.removeprefix("/physical_device:")
+            for d in tf.config.list_physical_devices()
+        ]
+        return f"{', '.join(names)} (TensorFlow's physical devices)"
+    return (
+        f"{os.cpu_count()} CPU core(s) and no GPU, found without importing "
+        "TensorFlow: no NVIDIA or ROCm driver and no TensorFlow device "
+        "plugin here, so TensorFlow has no GPU to use (`env --tensorflow` "
+        "asks TensorFlow)"
+    )
+
+
+def _env(args: argparse.Namespace) -> int:
+    from keras_replicator._src.core import devices
+
+    # TensorFlow's import is most of the time `env` takes (5-8 s of CPU on
+    # a small machine): only a GPU that may be here needs it (only
+    # TensorFlow knows whether it can use one), or --tensorflow. The TPU,
+    # the cluster and the CPU replica count come from the environment.
+    possible = devices.gpus_possible()
+    if args.tensorflow or possible is not None:
+        _load_package(args)
     from keras_replicator._src.cluster import discovery
     from keras_replicator._src.replicators import auto
 
-    choice = auto.choose()
-    print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    try:
+        choice = auto.choose()
+    except ValueError as e:
+        print(f"keras-replicator env: error: {e}", file=sys.stderr)
+        return 2
+    print(_versions())
+    print(f"devices: {_devices(possible)}")
     launched = discovery.detect()
     if launched is not None and "TF_CONFIG" not in os.environ:
         # Under mpiexec every rank runs this, so the exchange completes.
@@ -200,8 +263,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(demo, "of this process")
     demo.set_defaults(func=_demo)
 
-    env = sub.add_parser("env", help="show what auto() picks here, and why")
-    _add_verbose(env, "of this process")
+    env = sub.add_parser(
+        "env",
+        help="show what auto() picks here, and why",
+        description="Shows the TensorFlow and Keras versions, the devices "
+        "and what kr.auto() picks here, and why. Quick: TensorFlow is "
+        "imported only when a GPU may be here (NVIDIA or ROCm driver "
+        "files, a TensorFlow device plugin, or not Linux), to ask whether "
+        "it can use it, or with --tensorflow.",
+    )
+    env.add_argument(
+        "--tensorflow",
+        action="store_true",
+        help="import TensorFlow and list its devices, even where no GPU can "
+        "be (slower: TensorFlow's import is most of the time)",
+    )
+    _add_verbose(env, "of this process, when it imports TensorFlow")
     env.set_defaults(func=_env)
 
     launch = sub.add_parser(
