@@ -183,7 +183,6 @@ def _build_model(spec: str):
 
 def _launch(args: argparse.Namespace) -> int:
     from keras_replicator._src.cluster import launch
-    from keras_replicator._src.cluster import layout
     from keras_replicator._src.cluster import tf_logs
 
     command = list(args.command)
@@ -199,11 +198,8 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     if note:
         print(note, file=sys.stderr, flush=True)
-    hint = layout.launch_hint(
-        command, args.workers, args.replicas_per_worker, args.ps
-    )
-    if hint:
-        print(hint, flush=True)
+    # The one-process advice is the chief worker's (cluster/layout.py):
+    # only it knows whether the script builds its replicator itself.
     try:
         return launch.launch(
             command,
