@@ -29,6 +29,7 @@ HELP = (
     ("demo",),
     ("env",),
     ("launch",),
+    ("checkpoint",),
     ("tf-config",),
 )
 
@@ -82,6 +83,43 @@ def test_help_is_quick_and_prints_only_help(command):
     # Importing TensorFlow alone takes 4-8 s of CPU on a 2-core machine,
     # the help without it about 0.2 s.
     assert seconds < 2, f"{seconds:.1f} s of CPU"
+
+
+def _option_help(text, option):
+    """The help of `option` in a --help text, on one line."""
+    lines = text.splitlines()
+    start = next(
+        i for i, line in enumerate(lines) if line.lstrip().startswith(option)
+    )
+    block = [lines[start]]
+    for line in lines[start + 1 :]:
+        if line.lstrip().startswith("-") or not line.startswith(" "):
+            break
+        block.append(line)
+    return " ".join(" ".join(block).split())
+
+
+@pytest.mark.parametrize("command", HELP[1:], ids=lambda c: " ".join(c))
+def test_help_shows_every_options_default(command, capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--help"])
+    text = capsys.readouterr().out
+    (subcommand,) = command
+    sub = parser._subparsers._group_actions[0].choices[subcommand]
+    for action in sub._actions:
+        if not action.option_strings or action.required:
+            continue
+        if action.dest == "help":
+            continue
+        shown = _option_help(text, action.option_strings[0])
+        if action.default is None:
+            # A default read from elsewhere is spelled out.
+            assert "default: " in shown, shown
+        elif action.default is False:
+            assert shown.endswith("(default: off)"), shown
+        else:
+            assert shown.endswith(f"(default: {action.default})"), shown
 
 
 @pytest.mark.parametrize("how", ["script", "module"])

@@ -228,6 +228,28 @@ def _tf_config(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default.
+
+    A default of None (a value read from elsewhere) is spelled out in the
+    help itself; an on/off flag's default is "off"; required arguments
+    have none.
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "%(default)" in text
+            or action.required
+            or action.default in (None, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
 def _add_verbose(parser: argparse.ArgumentParser, whose: str) -> None:
     parser.add_argument(
         "--verbose",
@@ -242,19 +264,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-replicator",
         description="Run Keras 3 (TensorFlow) replicated on any topology.",
+        formatter_class=_DefaultsFormatter,
     )
+    # Subcommands' parsers do not inherit the formatter: each is given it.
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
-        "demo", help="train a small ResNet on digits, 1 vs N replicas"
+        "demo",
+        help="train a small ResNet on digits, 1 vs N replicas",
+        formatter_class=_DefaultsFormatter,
     )
-    demo.add_argument("--replicas", type=_positive_int, default=2)
-    demo.add_argument("--epochs", type=_positive_int, default=12)
+    demo.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=2,
+        help="replicas of the replicated run (CPU replicas without a GPU)",
+    )
+    demo.add_argument(
+        "--epochs", type=_positive_int, default=12, help="epochs of each run"
+    )
     demo.add_argument(
         "--min-accuracy",
         type=float,
         default=0.95,
-        help="exit non-zero if test accuracy is below this (default 0.95)",
+        help="exit non-zero if test accuracy is below this",
     )
     _add_verbose(demo, "of this process")
     demo.set_defaults(func=_demo)
@@ -262,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser(
         "env",
         help="show what auto() picks here, and why",
+        formatter_class=_DefaultsFormatter,
         description="Shows the TensorFlow and Keras versions, the devices "
         "and what kr.auto() picks here, and why. Quick: TensorFlow is "
         "imported only when a GPU may be here (NVIDIA or ROCm driver "
@@ -280,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser(
         "launch",
         help="run a command as N local workers with TF_CONFIG on loopback",
+        formatter_class=_DefaultsFormatter,
         description="Starts N local worker processes of one cluster, each "
         "with TF_CONFIG on free 127.0.0.1 ports, prefixes their output with "
         "the worker's name, ends all when one fails (exiting with its "
@@ -287,20 +322,34 @@ def build_parser() -> argparse.ArgumentParser:
         "forwards SIGTERM/SIGUSR1 so the workers save and exit 75. "
         "Workers die with the launcher, however it dies. A command "
         "starting with python (python3, pythonX.Y) runs on the Python that "
-        "runs keras-replicator, and its script must exist. "
+        "runs keras-replicator, and its script must exist. On one host "
+        "one process with every replica is faster than several workers: "
+        "the chief's MultiWorkerReplicator() says so in one line, unless "
+        "keras.distribution built it (one device per process can be the "
+        "point there). "
         "Example: keras-replicator launch --workers 2 -- python train.py",
     )
-    launch.add_argument("--workers", type=_positive_int, required=True)
+    launch.add_argument(
+        "--workers",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="worker processes, all on this host",
+    )
     launch.add_argument(
         "--replicas-per-worker",
         type=_positive_int,
         default=None,
-        help="CPU replicas per worker (sets KERAS_REPLICATOR_CPU_REPLICAS)",
+        metavar="K",
+        help="CPU replicas per worker (sets KERAS_REPLICATOR_CPU_REPLICAS; "
+        "default: unset, so a worker's MultiWorkerReplicator() holds its "
+        "GPUs, or 1 CPU replica)",
     )
     launch.add_argument(
         "--ps",
         type=int,
         default=0,
+        metavar="M",
         help="parameter-server tasks; with M > 0 the command runs on a "
         "chief (kr.AsyncReplicator) and workers/ps run TensorFlow servers",
     )
@@ -308,9 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts",
         type=int,
         default=0,
+        metavar="R",
         help="start every worker again (new ports) after one fails, up to R "
         "times, the hang watchdog's exit code 76 included; scripts resume "
-        "from their BackupAndRestore backup (default 0)",
+        "from their BackupAndRestore backup",
     )
     launch.add_argument(
         "--no-python-swap",
@@ -321,12 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
         "a line on stderr says so",
     )
     _add_verbose(launch, "of every worker")
-    launch.add_argument("command", nargs=argparse.REMAINDER)
+    launch.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the command every worker runs, after --",
+    )
     launch.set_defaults(func=_launch)
 
     convert = sub.add_parser(
         "checkpoint",
         help="convert a sharded checkpoint to a .weights.h5 file, or back",
+        formatter_class=_DefaultsFormatter,
     )
     convert.add_argument("direction", choices=("to-weights", "from-weights"))
     convert.add_argument(
@@ -346,15 +401,27 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_checkpoint)
 
     tf_config = sub.add_parser(
-        "tf-config", help="print the TF_CONFIG of one task of a cluster"
+        "tf-config",
+        help="print the TF_CONFIG of one task of a cluster",
+        formatter_class=_DefaultsFormatter,
     )
     tf_config.add_argument(
         "--hosts",
         required=True,
         help="comma-separated host:port of every task, in task order",
     )
-    tf_config.add_argument("--index", type=int, required=True)
-    tf_config.add_argument("--type", default="worker", dest="task_type")
+    tf_config.add_argument(
+        "--index",
+        type=int,
+        required=True,
+        help="this task's index among the tasks of its type",
+    )
+    tf_config.add_argument(
+        "--type",
+        default="worker",
+        dest="task_type",
+        help="this task's type: worker, chief or ps",
+    )
     tf_config.set_defaults(func=_tf_config)
     return parser
 
