@@ -10,6 +10,7 @@ import pytest
 
 from keras_replicator._src.cluster import cli
 from keras_replicator._src.cluster import tf_logs
+from keras_replicator._src.core import devices
 from tests.multi_worker import harness
 
 # What TensorFlow's C++ start-up logs contain on a CPU machine.
@@ -28,6 +29,7 @@ HELP = (
     ("demo",),
     ("env",),
     ("launch",),
+    ("checkpoint",),
     ("tf-config",),
 )
 
@@ -81,6 +83,43 @@ def test_help_is_quick_and_prints_only_help(command):
     # Importing TensorFlow alone takes 4-8 s of CPU on a 2-core machine,
     # the help without it about 0.2 s.
     assert seconds < 2, f"{seconds:.1f} s of CPU"
+
+
+def _option_help(text, option):
+    """The help of `option` in a --help text, on one line."""
+    lines = text.splitlines()
+    start = next(
+        i for i, line in enumerate(lines) if line.lstrip().startswith(option)
+    )
+    block = [lines[start]]
+    for line in lines[start + 1 :]:
+        if line.lstrip().startswith("-") or not line.startswith(" "):
+            break
+        block.append(line)
+    return " ".join(" ".join(block).split())
+
+
+@pytest.mark.parametrize("command", HELP[1:], ids=lambda c: " ".join(c))
+def test_help_shows_every_options_default(command, capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--help"])
+    text = capsys.readouterr().out
+    (subcommand,) = command
+    sub = parser._subparsers._group_actions[0].choices[subcommand]
+    for action in sub._actions:
+        if not action.option_strings or action.required:
+            continue
+        if action.dest == "help":
+            continue
+        shown = _option_help(text, action.option_strings[0])
+        if action.default is None:
+            # A default read from elsewhere is spelled out.
+            assert "default: " in shown, shown
+        elif action.default is False:
+            assert shown.endswith("(default: off)"), shown
+        else:
+            assert shown.endswith(f"(default: {action.default})"), shown
 
 
 @pytest.mark.parametrize("how", ["script", "module"])
@@ -150,9 +189,56 @@ def test_the_commands_process_loads_the_package_on_first_use():
     ]
 
 
+def _cpu_seconds_of(argv, env):
+    """Runs `argv`; returns the result and the CPU time it took."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, env=env
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = (after.ru_utime + after.ru_stime) - (
+        before.ru_utime + before.ru_stime
+    )
+    return result, seconds
+
+
+@pytest.mark.skipif(
+    devices.gpus_possible() is not None,
+    reason="a GPU may be here: env asks TensorFlow",
+)
+def test_env_is_quick_and_imports_no_tensorflow_where_no_gpu_can_be():
+    result, seconds = _cpu_seconds_of(
+        [sys.executable, "-X", "importtime", "-m", cli.__name__, "env"],
+        _user_env(),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {
+        line.rpartition("|")[2].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    heavy = sorted(
+        name
+        for name in imported
+        if name.split(".")[0] in ("tensorflow", "keras")
+    )
+    assert not heavy, heavy[:10]
+    # What auto() picks, why, and what the devices are, all the same.
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("tensorflow 2."), lines
+    assert lines[1].startswith("devices: "), lines
+    assert "no GPU" in lines[1] and "without importing TensorFlow" in lines[1]
+    assert lines[-1].startswith("auto() picks: LocalReplicator("), lines
+    # Its CPU time, robust on a loaded machine (wall time counts the other
+    # processes): importing TensorFlow alone takes 4-8 s of CPU on a
+    # 2-core machine, env without it about 0.2 s.
+    assert seconds < 3, f"{seconds:.1f} s of CPU"
+
+
 def test_env_hides_tensorflow_logs_unless_verbose():
+    # --tensorflow: TensorFlow is imported, so it has logs to hide.
     quiet = subprocess.run(
-        [*harness.command_line(), "env"],
+        [*harness.command_line(), "env", "--tensorflow"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -160,9 +246,10 @@ def test_env_hides_tensorflow_logs_unless_verbose():
     )
     assert quiet.returncode == 0, quiet.stderr[-2000:]
     assert "auto() picks: " in quiet.stdout
+    assert "(TensorFlow's physical devices)" in quiet.stdout
     assert not _tf_log_lines(quiet.stdout + quiet.stderr), quiet.stderr
     verbose = subprocess.run(
-        [*harness.command_line(), "env", "--verbose"],
+        [*harness.command_line(), "env", "--tensorflow", "--verbose"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -188,7 +275,8 @@ def test_env_says_what_auto_picks_and_why():
 
 def test_env_rejects_bad_cpu_replica_variable():
     result = _run("env", env={"KERAS_REPLICATOR_CPU_REPLICAS": "zero"})
-    assert result.returncode != 0
+    assert result.returncode == 2
+    assert result.stderr.startswith("keras-replicator env: error: ")
     assert "Received: KERAS_REPLICATOR_CPU_REPLICAS='zero'" in result.stderr
 
 

@@ -72,6 +72,62 @@ def test_the_report_counts_what_shard_shapes_says_each_device_holds():
     assert kernel.path in lines[0]
 
 
+def test_the_report_prints_nothing_unless_asked_and_its_str_is_the_table(
+    capsys,
+):
+    _model_parallel({".*d1/kernel": (None, "model")})
+    model = _sequential()
+    _fit(model)
+    report = kr.layout_report(model)
+    assert capsys.readouterr().out == ""
+    print(report)  # as `print(kr.layout_report(model))`: the table, once
+    out = capsys.readouterr().out
+    assert out == str(report) + "\n"
+    assert out.count("per device: weights") == 1
+    kr.layout_report(model, print_fn=print)
+    assert capsys.readouterr().out == out
+
+
+def test_columns_stay_aligned_for_long_keys():
+    key = ".*/(?:a_layer_with_a_long_name|d1)/kernel"
+    _model_parallel({key: (None, "model")})
+    model = _sequential()
+    _fit(model)
+    report = kr.layout_report(model)
+    header, *lines = str(report).splitlines()[: 1 + len(report.rows)]
+    # Every row's block starts under "per device", its bytes end under
+    # "bytes", whatever the length of the key before them.
+    start = header.index("per device")
+    for row, line in zip(report.rows, lines, strict=True):
+        assert line.index(str(row.block), header.index("key")) == start, (
+            f"\n{header}\n{line}"
+        )
+        assert len(line) == len(header)
+    kernel = next(line for line in lines if "d1/kernel " in line)
+    assert key in kernel
+
+
+def test_a_sharded_slot_shows_the_key_of_its_variable():
+    _model_parallel({".*d1/kernel": (None, "model")})
+    model = _sequential()
+    _fit(model)
+    report = kr.layout_report(model)
+    slots = [
+        r for r in report.rows if r.optimizer and r.shape == (8, 16)
+    ]  # Adam's two moments of d1/kernel
+    assert len(slots) == 2, report.rows
+    for slot in slots:
+        assert slot.block == (8, 4)
+        assert slot.key == ".*d1/kernel"
+        (line,) = [
+            line for line in str(report).splitlines() if slot.path in line
+        ]
+        assert ".*d1/kernel" in line
+    # The slots of variables no key matched stay unmatched.
+    bias = [r for r in report.rows if r.optimizer and r.shape == (4,)]
+    assert bias and all(r.key is None for r in bias)
+
+
 def test_a_key_that_misses_the_sequential_prefix_warns_and_is_named(caplog):
     _model_parallel({"d1/kernel": (None, "model")})
     model = _sequential()

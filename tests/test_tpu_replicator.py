@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
+from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.replicators import auto as auto_lib
 from keras_replicator._src.replicators import tpu as tpu_lib
 
@@ -14,7 +15,7 @@ _TPU_ENV = ("TPU_NAME", "COLAB_TPU_ADDR")
 def no_tpu_env(monkeypatch):
     for name in _TPU_ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(tpu_lib.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(devices_lib.glob, "glob", lambda pattern: [])
     return monkeypatch
 
 
@@ -28,7 +29,7 @@ def test_no_tpu_error_names_what_was_looked_for(no_tpu_env):
 
 def test_find_tpu_order(no_tpu_env):
     assert tpu_lib.find_tpu() is None
-    no_tpu_env.setattr(tpu_lib.glob, "glob", lambda p: ["/dev/accel0"])
+    no_tpu_env.setattr(devices_lib.glob, "glob", lambda p: ["/dev/accel0"])
     assert tpu_lib.find_tpu() == "local"
     no_tpu_env.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
     assert tpu_lib.find_tpu() == "grpc://10.0.0.2:8470"

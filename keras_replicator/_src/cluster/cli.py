@@ -1,8 +1,9 @@
 """The `keras-replicator` command.
 
 `--help`, `launch` and `tf-config` never import TensorFlow (see
-`lazy_package`); `env` and `demo` load the package, TensorFlow with it,
-hiding TensorFlow's C++ start-up logs unless `--verbose` is given or
+`lazy_package`); neither does `env` where no GPU can be (`_env`). `demo`,
+`checkpoint` and a TensorFlow-using `env` load the package, TensorFlow with
+it, hiding TensorFlow's C++ start-up logs unless `--verbose` is given or
 `TF_CPP_MIN_LOG_LEVEL` is set (see `tf_logs`). Keep this module's imports
 TensorFlow-free: commands import what they need.
 """
@@ -55,16 +56,78 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if worst >= args.min_accuracy else 1
 
 
-def _env(args: argparse.Namespace) -> int:
-    _load_package(args)
-    import keras
-    import tensorflow as tf
+# Distributions that install the `tensorflow` module, most common first.
+_TENSORFLOW_DISTRIBUTIONS = (
+    "tensorflow",
+    "tensorflow-cpu",
+    "tf-nightly",
+    "tensorflow-macos",
+    "tensorflow-intel",
+)
 
+
+def _installed_version(names: tuple[str, ...]) -> str:
+    """The installed version of the first of `names`, read from metadata."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _versions() -> str:
+    if "tensorflow" in sys.modules:
+        import keras
+        import tensorflow as tf
+
+        return f"tensorflow {tf.__version__}, keras {keras.__version__}"
+    # What is installed, without importing it (the import is 5-8 s).
+    tensorflow = _installed_version(_TENSORFLOW_DISTRIBUTIONS)
+    keras = _installed_version(("keras", "keras-nightly"))
+    return f"tensorflow {tensorflow}, keras {keras}"
+
+
+def _devices(possible: str | None) -> str:
+    """The `devices:` line: TensorFlow's list, or why it was not asked."""
+    if "tensorflow" in sys.modules:
+        import tensorflow as tf
+
+        names = [
+            d.name.removeprefix("/physical_device:")
+            for d in tf.config.list_physical_devices()
+        ]
+        return f"{', '.join(names)} (TensorFlow's physical devices)"
+    return (
+        f"{os.cpu_count()} CPU core(s) and no GPU, found without importing "
+        "TensorFlow: no NVIDIA or ROCm driver and no TensorFlow device "
+        "plugin here, so TensorFlow has no GPU to use (`env --tensorflow` "
+        "asks TensorFlow)"
+    )
+
+
+def _env(args: argparse.Namespace) -> int:
+    from keras_replicator._src.core import devices
+
+    # TensorFlow's import is most of the time `env` takes (5-8 s of CPU on
+    # a small machine): only a GPU that may be here needs it (only
+    # TensorFlow knows whether it can use one), or --tensorflow. The TPU,
+    # the cluster and the CPU replica count come from the environment.
+    possible = devices.gpus_possible()
+    if args.tensorflow or possible is not None:
+        _load_package(args)
     from keras_replicator._src.cluster import discovery
     from keras_replicator._src.replicators import auto
 
-    choice = auto.choose()
-    print(f"tensorflow {tf.__version__}, keras {keras.__version__}")
+    try:
+        choice = auto.choose()
+    except ValueError as e:
+        print(f"keras-replicator env: error: {e}", file=sys.stderr)
+        return 2
+    print(_versions())
+    print(f"devices: {_devices(possible)}")
     launched = discovery.detect()
     if launched is not None and "TF_CONFIG" not in os.environ:
         # Under mpiexec every rank runs this, so the exchange completes.
@@ -120,7 +183,6 @@ def _build_model(spec: str):
 
 def _launch(args: argparse.Namespace) -> int:
     from keras_replicator._src.cluster import launch
-    from keras_replicator._src.cluster import layout
     from keras_replicator._src.cluster import tf_logs
 
     command = list(args.command)
@@ -136,11 +198,8 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     if note:
         print(note, file=sys.stderr, flush=True)
-    hint = layout.launch_hint(
-        command, args.workers, args.replicas_per_worker, args.ps
-    )
-    if hint:
-        print(hint, flush=True)
+    # The one-process advice is the chief worker's (cluster/layout.py):
+    # only it knows whether the script builds its replicator itself.
     try:
         return launch.launch(
             command,
@@ -169,6 +228,28 @@ def _tf_config(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default.
+
+    A default of None (a value read from elsewhere) is spelled out in the
+    help itself; an on/off flag's default is "off"; required arguments
+    have none.
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "%(default)" in text
+            or action.required
+            or action.default in (None, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
 def _add_verbose(parser: argparse.ArgumentParser, whose: str) -> None:
     parser.add_argument(
         "--verbose",
@@ -183,30 +264,57 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-replicator",
         description="Run Keras 3 (TensorFlow) replicated on any topology.",
+        formatter_class=_DefaultsFormatter,
     )
+    # Subcommands' parsers do not inherit the formatter: each is given it.
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
-        "demo", help="train a small ResNet on digits, 1 vs N replicas"
+        "demo",
+        help="train a small ResNet on digits, 1 vs N replicas",
+        formatter_class=_DefaultsFormatter,
     )
-    demo.add_argument("--replicas", type=_positive_int, default=2)
-    demo.add_argument("--epochs", type=_positive_int, default=12)
+    demo.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=2,
+        help="replicas of the replicated run (CPU replicas without a GPU)",
+    )
+    demo.add_argument(
+        "--epochs", type=_positive_int, default=12, help="epochs of each run"
+    )
     demo.add_argument(
         "--min-accuracy",
         type=float,
         default=0.95,
-        help="exit non-zero if test accuracy is below this (default 0.95)",
+        help="exit non-zero if test accuracy is below this",
     )
     _add_verbose(demo, "of this process")
     demo.set_defaults(func=_demo)
 
-    env = sub.add_parser("env", help="show what auto() picks here, and why")
-    _add_verbose(env, "of this process")
+    env = sub.add_parser(
+        "env",
+        help="show what auto() picks here, and why",
+        formatter_class=_DefaultsFormatter,
+        description="Shows the TensorFlow and Keras versions, the devices "
+        "and what kr.auto() picks here, and why. Quick: TensorFlow is "
+        "imported only when a GPU may be here (NVIDIA or ROCm driver "
+        "files, a TensorFlow device plugin, or not Linux), to ask whether "
+        "it can use it, or with --tensorflow.",
+    )
+    env.add_argument(
+        "--tensorflow",
+        action="store_true",
+        help="import TensorFlow and list its devices, even where no GPU can "
+        "be (slower: TensorFlow's import is most of the time)",
+    )
+    _add_verbose(env, "of this process, when it imports TensorFlow")
     env.set_defaults(func=_env)
 
     launch = sub.add_parser(
         "launch",
         help="run a command as N local workers with TF_CONFIG on loopback",
+        formatter_class=_DefaultsFormatter,
         description="Starts N local worker processes of one cluster, each "
         "with TF_CONFIG on free 127.0.0.1 ports, prefixes their output with "
         "the worker's name, ends all when one fails (exiting with its "
@@ -214,20 +322,34 @@ def build_parser() -> argparse.ArgumentParser:
         "forwards SIGTERM/SIGUSR1 so the workers save and exit 75. "
         "Workers die with the launcher, however it dies. A command "
         "starting with python (python3, pythonX.Y) runs on the Python that "
-        "runs keras-replicator, and its script must exist. "
+        "runs keras-replicator, and its script must exist. On one host "
+        "one process with every replica is faster than several workers: "
+        "the chief's MultiWorkerReplicator() says so in one line, unless "
+        "keras.distribution built it (one device per process can be the "
+        "point there). "
         "Example: keras-replicator launch --workers 2 -- python train.py",
     )
-    launch.add_argument("--workers", type=_positive_int, required=True)
+    launch.add_argument(
+        "--workers",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="worker processes, all on this host",
+    )
     launch.add_argument(
         "--replicas-per-worker",
         type=_positive_int,
         default=None,
-        help="CPU replicas per worker (sets KERAS_REPLICATOR_CPU_REPLICAS)",
+        metavar="K",
+        help="CPU replicas per worker (sets KERAS_REPLICATOR_CPU_REPLICAS; "
+        "default: unset, so a worker's MultiWorkerReplicator() holds its "
+        "GPUs, or 1 CPU replica)",
     )
     launch.add_argument(
         "--ps",
         type=int,
         default=0,
+        metavar="M",
         help="parameter-server tasks; with M > 0 the command runs on a "
         "chief (kr.AsyncReplicator) and workers/ps run TensorFlow servers",
     )
@@ -235,9 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts",
         type=int,
         default=0,
+        metavar="R",
         help="start every worker again (new ports) after one fails, up to R "
         "times, the hang watchdog's exit code 76 included; scripts resume "
-        "from their BackupAndRestore backup (default 0)",
+        "from their BackupAndRestore backup",
     )
     launch.add_argument(
         "--no-python-swap",
@@ -248,12 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
         "a line on stderr says so",
     )
     _add_verbose(launch, "of every worker")
-    launch.add_argument("command", nargs=argparse.REMAINDER)
+    launch.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the command every worker runs, after --",
+    )
     launch.set_defaults(func=_launch)
 
     convert = sub.add_parser(
         "checkpoint",
         help="convert a sharded checkpoint to a .weights.h5 file, or back",
+        formatter_class=_DefaultsFormatter,
     )
     convert.add_argument("direction", choices=("to-weights", "from-weights"))
     convert.add_argument(
@@ -273,15 +401,27 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_checkpoint)
 
     tf_config = sub.add_parser(
-        "tf-config", help="print the TF_CONFIG of one task of a cluster"
+        "tf-config",
+        help="print the TF_CONFIG of one task of a cluster",
+        formatter_class=_DefaultsFormatter,
     )
     tf_config.add_argument(
         "--hosts",
         required=True,
         help="comma-separated host:port of every task, in task order",
     )
-    tf_config.add_argument("--index", type=int, required=True)
-    tf_config.add_argument("--type", default="worker", dest="task_type")
+    tf_config.add_argument(
+        "--index",
+        type=int,
+        required=True,
+        help="this task's index among the tasks of its type",
+    )
+    tf_config.add_argument(
+        "--type",
+        default="worker",
+        dest="task_type",
+        help="this task's type: worker, chief or ps",
+    )
     tf_config.set_defaults(func=_tf_config)
     return parser
 

@@ -49,6 +49,7 @@ from keras_replicator._src.training import preemption
 
 LOOPBACK = "127.0.0.1"
 CPU_REPLICAS_ENV = env.CPU_REPLICAS
+LAUNCHED_ENV = env.LAUNCHED
 # Seconds between SIGTERM and SIGKILL when ending workers.
 _GRACE_SECONDS = 5.0
 # A worker's output that means another process took its port between our
@@ -393,7 +394,11 @@ def _launch_once(
             (
                 f"worker {i}",
                 command,
-                worker_environ(ports, i, replicas_per_worker),
+                {
+                    **worker_environ(ports, i, replicas_per_worker),
+                    # Every worker on this host: see cluster/layout.py.
+                    LAUNCHED_ENV: "1",
+                },
             )
             for i in range(workers)
         ]

@@ -4,13 +4,19 @@ TensorFlow fixes its device list when its runtime initialises (the first op,
 or the first call that lists logical devices). Splitting the CPU into logical
 devices must happen before that; afterwards the split can't change until the
 process restarts.
+
+TensorFlow is imported by the functions that use it, not with the module:
+`keras-replicator env` asks what `kr.auto()` would pick (CPU replica count,
+TPU, whether a GPU can be there) without paying for TensorFlow's import
+(`find_tpu`, `default_cpu_replicas`, `gpus_possible`).
 """
 
 from __future__ import annotations
 
+import glob
 import os
-
-import tensorflow as tf
+import sys
+import sysconfig
 
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
@@ -54,6 +60,8 @@ def configure_cpu_replicas(num_replicas: int) -> int:
         RuntimeError: If TensorFlow has already initialised fewer logical CPU
             devices than `num_replicas`.
     """
+    import tensorflow as tf
+
     validation.check_positive_int("num_replicas", num_replicas)
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu) or []
@@ -107,6 +115,8 @@ def split_cpu_at_import() -> int | None:
     """
     if os.environ.get(env.SPLIT_CPU_AT_IMPORT, "1") == "0":
         return None
+    import tensorflow as tf
+
     if runtime_started():
         return None
     if tf.config.list_physical_devices("GPU"):
@@ -155,8 +165,68 @@ def default_cpu_replicas() -> int:
     return max(1, min(os.cpu_count() or 1, MIN_LOGICAL_CPUS))
 
 
+def find_tpu() -> str | None:
+    """Says where a TPU is, without connecting to it (nor TensorFlow).
+
+    Returns:
+        The `tpu` argument for `TPUClusterResolver` (`"local"`, a name, or a
+        `grpc://` address), or `None` when no TPU is visible.
+    """
+    name = os.environ.get("TPU_NAME")
+    if name:
+        return name
+    colab = os.environ.get("COLAB_TPU_ADDR")
+    if colab:
+        return colab if colab.startswith("grpc://") else f"grpc://{colab}"
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return "local"
+    return None
+
+
+# What a GPU TensorFlow can use leaves on Linux: NVIDIA's device files and
+# driver folder, ROCm's kernel driver.
+_GPU_FILES = ("/dev/nvidia[0-9]*", "/proc/driver/nvidia/gpus/*", "/dev/kfd")
+
+
+def gpus_possible() -> str | None:
+    """Why TensorFlow might see a GPU here, answered without TensorFlow.
+
+    None only when it can't: on Linux, no NVIDIA or ROCm driver files and
+    no TensorFlow device plugin (TensorFlow loads those from
+    `site-packages/tensorflow-plugins` or
+    `TF_PLUGGABLE_DEVICE_LIBRARY_PATH`). Elsewhere (macOS Metal, Windows
+    DirectML) only TensorFlow can say.
+
+    Returns:
+        What was found (a file, a plugin folder, the platform), or None.
+    """
+    if sys.platform != "linux":
+        return f"platform {sys.platform}"
+    for pattern in _GPU_FILES:
+        found = glob.glob(pattern)
+        if found:
+            return found[0]
+    if os.environ.get("TF_PLUGGABLE_DEVICE_LIBRARY_PATH"):
+        return "TF_PLUGGABLE_DEVICE_LIBRARY_PATH"
+    folders = {p for p in sys.path if "site-packages" in p}
+    folders.add(sysconfig.get_paths()["purelib"])
+    for folder in sorted(f for f in folders if f):
+        plugins = os.path.join(folder, "tensorflow-plugins")
+        if os.path.isdir(plugins):
+            return plugins
+    return None
+
+
 def local_gpus() -> list[str]:
-    """Names of the logical GPUs of this host, in index order."""
+    """Names of the logical GPUs of this host, in index order.
+
+    Before TensorFlow is imported, a host where no GPU can be
+    (`gpus_possible`) has none, and TensorFlow stays out.
+    """
+    if "tensorflow" not in sys.modules and gpus_possible() is None:
+        return []
+    import tensorflow as tf
+
     if not tf.config.list_physical_devices("GPU"):
         # Don't initialise the runtime just to learn there is no GPU.
         return []

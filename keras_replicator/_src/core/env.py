@@ -8,6 +8,9 @@ PORT = "KERAS_REPLICATOR_PORT"
 HOST = "KERAS_REPLICATOR_HOST"
 # TensorFlow's cluster description.
 TF_CONFIG = "TF_CONFIG"
+# "1" in the workers `keras-replicator launch` starts, all on one host: the
+# chief's `MultiWorkerReplicator()` advises one process (cluster/layout.py).
+LAUNCHED = "KERAS_REPLICATOR_LAUNCHED"
 # "0" stops `import keras_replicator` from splitting the CPU into logical
 # devices (core/devices.split_cpu_at_import).
 SPLIT_CPU_AT_IMPORT = "KERAS_REPLICATOR_SPLIT_CPU"

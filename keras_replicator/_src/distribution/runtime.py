@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.distribution import distribution_lib
 
+from keras_replicator._src.cluster import layout
 from keras_replicator._src.core import placements
 from keras_replicator._src.distribution import processes
 from keras_replicator._src.replicators import local
@@ -188,4 +189,7 @@ class ProcessReplicator(multi_worker.MultiWorkerReplicator):
 
 def process_replicator(cluster):
     """The `MultiWorkerReplicator` that joins this process to `cluster`."""
-    return multi_worker.MultiWorkerReplicator(cluster=cluster)
+    # Several processes can be the point here (one device per process of a
+    # ModelParallel mesh): no one-process advice.
+    with layout.for_keras_distribution():
+        return multi_worker.MultiWorkerReplicator(cluster=cluster)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 from typing import Any
-
-import tensorflow as tf
 
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import layout
 from keras_replicator._src.core import devices as devices_lib
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 # Why one host gets one process, in `keras-replicator env`'s explanation.
 _ONE_PROCESS = (
@@ -37,14 +39,13 @@ def choose() -> Choice:
     """Decides which backend `auto()` creates, without creating it.
 
     The order is: TPU, then a cluster (TF_CONFIG or Slurm), then local GPUs,
-    then CPU replicas. Only the local backends exist so far.
+    then CPU replicas. It needs no TensorFlow where no GPU can be (see
+    `devices.gpus_possible`), so `keras-replicator env` is quick there.
 
     Returns:
         A `Choice`.
     """
-    from keras_replicator._src.replicators import tpu as tpu_lib
-
-    tpu = tpu_lib.find_tpu()
+    tpu = devices_lib.find_tpu()
     if tpu:
         return Choice(
             "TpuReplicator",

@@ -10,6 +10,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
 from keras_replicator._src import collectives
 from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import layout
 from keras_replicator._src.cluster import startup_watchdog
 from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.core import env
@@ -152,6 +153,7 @@ class MultiWorkerReplicator(
         # Skip MultiWorkerMirroredStrategy.__init__: it builds its own
         # extended object, which can only place one replica per CPU worker.
         tf.distribute.Strategy.__init__(self, extended)
+        layout.advise_once(config, device_type, count)
 
     def reduce(self, reduce_op, value, axis=None):
         """Reduces `value` across every replica of every worker.

@@ -6,12 +6,14 @@ from the data is tested through XLA on CPU replicas (`tests/test_sharding.py`).
 
 from __future__ import annotations
 
-import glob
-import os
-
 import tensorflow as tf
 
+from keras_replicator._src.core import devices
 from keras_replicator._src.replicators import base
+
+# Where a TPU is, without TensorFlow: `kr.auto()` and `keras-replicator env`
+# ask before anything imports it.
+find_tpu = devices.find_tpu
 
 # Where a TPU is looked for, in order; named in the error when none is found.
 _LOOKED_FOR = (
@@ -20,24 +22,6 @@ _LOOKED_FOR = (
     "COLAB_TPU_ADDR (a Colab TPU runtime)",
     "local TPU chips (/dev/accel* or /dev/vfio/* on a TPU VM)",
 )
-
-
-def find_tpu() -> str | None:
-    """Says where a TPU is, without connecting to it.
-
-    Returns:
-        The `tpu` argument for `TPUClusterResolver` (`"local"`, a name, or a
-        `grpc://` address), or `None` when no TPU is visible.
-    """
-    name = os.environ.get("TPU_NAME")
-    if name:
-        return name
-    colab = os.environ.get("COLAB_TPU_ADDR")
-    if colab:
-        return colab if colab.startswith("grpc://") else f"grpc://{colab}"
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return "local"
-    return None
 
 
 def resolver_for(

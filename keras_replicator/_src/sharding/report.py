@@ -33,7 +33,11 @@ _warned: weakref.WeakSet = weakref.WeakSet()
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One variable: its path, full shape, the key it matched, its block."""
+    """One variable: its path, full shape, the key it matched, its block.
+
+    An optimizer slot (Adam's moments, say) is laid out as the model
+    variable it was made from: its `key` is that variable's key.
+    """
 
     path: str
     shape: tuple[int, ...]
@@ -66,17 +70,32 @@ class LayoutReport:
     unmatched_keys: tuple[str, ...]
 
     def __str__(self) -> str:
-        width = max([len(r.path) for r in self.rows] + [8])
-        lines = [
-            f"{'variable':<{width}}  {'shape':<16} {'key':<20} "
-            f"{'per device':<16} {'bytes':>12}"
-        ]
-        for r in self.rows:
-            lines.append(
-                f"{r.path:<{width}}  {str(r.shape):<16} "
-                f"{str(r.key or '-'):<20} {str(r.block):<16} "
-                f"{r.bytes_per_device:>12,}"
+        """The table: one line per variable, then the totals per device."""
+        header = ("variable", "shape", "key", "per device", "bytes")
+        cells = [
+            (
+                r.path,
+                str(r.shape),
+                r.key or "-",
+                str(r.block),
+                f"{r.bytes_per_device:,}",
             )
+            for r in self.rows
+        ]
+        # Each column as wide as its longest cell: a long path or key (a
+        # regex) moves the columns after it, all lines alike.
+        widths = [
+            max(len(row[i]) for row in [header, *cells])
+            for i in range(len(header))
+        ]
+
+        def line(row):
+            left = [
+                f"{c:<{w}}" for c, w in zip(row[:-1], widths[:-1], strict=True)
+            ]
+            return "  ".join([*left, f"{row[-1]:>{widths[-1]}}"])
+
+        lines = [line(header), *(line(row) for row in cells)]
         lines.append(
             f"per device: weights {self.weights_bytes:,} B, optimizer "
             f"{self.optimizer_bytes:,} B, largest gathered transient "
@@ -108,14 +127,34 @@ def _nbytes(shape, variable) -> int:
     return math.prod(shape) * np.dtype(inner.dtype.as_numpy_dtype).itemsize
 
 
-def _row(variable, layout_map, optimizer: bool) -> Row:
+def _reference(slot, weights) -> Any:
+    """The model variable an optimizer slot was made from, or None.
+
+    Keras names a slot `<reference path, "/" as "_">_<slot name>` and gives
+    it the reference's layout (`add_variable_from_reference`); the longest
+    such prefix wins (`d1_kernel` over `d1`).
+    """
+    found = [w for w in weights if slot.name.startswith(_slot_prefix(w.path))]
+    return max(found, key=lambda w: len(w.path), default=None)
+
+
+def _slot_prefix(path: str) -> str:
+    return path.replace("/", "_") + "_"
+
+
+def _row(variable, layout_map, optimizer: bool, weights=()) -> Row:
     shape = tuple(int(d) for d in variable.shape)
     placement = placements.of(variable)
     block = placement.local_shape if placement is not None else shape
+    key = matched_key(layout_map, variable.path)
+    if key is None and optimizer:
+        reference = _reference(variable, weights)
+        if reference is not None:
+            key = matched_key(layout_map, reference.path)
     return Row(
         path=variable.path,
         shape=shape,
-        key=matched_key(layout_map, variable.path),
+        key=key,
         block=tuple(block),
         bytes_per_device=_nbytes(block, variable),
         optimizer=optimizer,
@@ -140,25 +179,30 @@ def _names_an_output(key: str, model: Any) -> bool:
     return False
 
 
-def layout_report(model: Any, print_fn=print) -> LayoutReport:
+def layout_report(model: Any, print_fn=None) -> LayoutReport:
     """Reports where every variable of `model` lives, and the totals.
 
     For each model and optimizer variable: its path, full shape, the
-    `LayoutMap` key that matched it (or `-`), the block each device holds
-    and its bytes. Then per device: the weights, the optimizer state and
-    the largest full value a training step gathers. Under no distribution
-    or `DataParallel` every variable is whole on every device.
+    `LayoutMap` key that matched it (or `-`; an optimizer slot shows the
+    key of the variable it was made from, whose layout it has), the block
+    each device holds and its bytes. Then per device: the weights, the
+    optimizer state and the largest full value a training step gathers.
+    Under no distribution or `DataParallel` every variable is whole on
+    every device. The report's `str` is the table; like Keras'
+    `model.summary()`, nothing is printed unless `print_fn` is given.
 
     Example:
     ```python
-    report = kr.layout_report(model)  # prints the table
+    report = kr.layout_report(model)
+    print(report)  # the table
     report.weights_bytes  # bytes of weights on each device
+    kr.layout_report(model, print_fn=print)  # prints the table itself
     ```
 
     Args:
         model: A built Keras model.
-        print_fn: Called with the report's text; `None` prints nothing.
-            Defaults to `print`.
+        print_fn: Called once with the report's text (`print`, a logger's
+            `info`, `lines.append`). Defaults to None: nothing is printed.
 
     Returns:
         A `LayoutReport`.
@@ -175,7 +219,10 @@ def layout_report(model: Any, print_fn=print) -> LayoutReport:
     rows = [_row(v, layout_map, False) for v in model.weights]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
-        rows += [_row(v, layout_map, True) for v in optimizer.variables]
+        rows += [
+            _row(v, layout_map, True, model.weights)
+            for v in optimizer.variables
+        ]
     used = {r.key for r in rows if r.key is not None}
     keys = tuple(layout_map.keys()) if layout_map is not None else ()
     sharded = [
