@@ -151,7 +151,11 @@ class ProcessReplicator(multi_worker.MultiWorkerReplicator):
         As a replicator splits a batch of unknown size: each replica takes
         `ceil(batch / replicas)` rows until the batch runs out, so a batch
         that does not divide (a ragged last one) leaves the last replicas
-        fewer rows, or none.
+        fewer rows, or none. The one process holding the last rows of such
+        a batch splits them by its own count, which may differ from one
+        host's split over every device (13 rows on 2 processes of 2
+        devices are 4, 4 | 3, 2; on 4 devices of one host 4, 4, 4, 1);
+        every replica is weighed by its rows, so the numbers are the same.
         """
         count = len(self.extended.worker_devices)
         # The replicators' own split (`experimental_distribute_dataset` of
