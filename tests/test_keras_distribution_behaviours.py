@@ -477,13 +477,58 @@ def test_processes_cut_each_batch_even_when_one_replica_spans_them(
     assert [b.tolist() for b in part.as_numpy_iterator()] == [[4, 5, 6, 7]]
 
 
+def test_a_batch_that_does_not_divide_is_split_as_a_replicator_splits_it(
+    processes_of,
+):
+    # 1797 examples at batch 64 end with 5 rows. A replicator gives each of
+    # its devices ceil(rows / devices) rows until they run out; each
+    # process takes its devices' rows, possibly none.
+    dataset = tf.data.Dataset.range(133).batch(64)
+    for count, per_process, expected in (
+        # 64 rows on 2 x 4 devices: 8 each; 5 rows: 1 each, the last 3
+        # devices none.
+        (2, 4, {0: [32, 32, 4], 1: [32, 32, 1]}),
+        # 64 on 3 x 1 devices: 22, 22, 20; 5: 2, 2, 1.
+        (3, 1, {0: [22, 22, 2], 1: [22, 22, 2], 2: [20, 20, 1]}),
+        # 5 rows on 4 x 2 devices: 1 each; the last process gets none.
+        (
+            4,
+            2,
+            {0: [16, 16, 2], 1: [16, 16, 2], 2: [16, 16, 1], 3: [16, 16, 0]},
+        ),
+    ):
+        rows = []
+        for process_id in range(count):
+            processes_of(process_id, count=count)
+            distribution = keras.distribution.DataParallel(
+                devices=[f"cpu:{i}" for i in range(count * per_process)]
+            )
+            part = distribution.distribute_dataset(dataset)
+            batches = [b.tolist() for b in part.as_numpy_iterator()]
+            assert [len(b) for b in batches] == expected[process_id]
+            assert int(part.cardinality()) == 3
+            rows.append(batches)
+        # Every row once, in order: the processes' parts make each batch.
+        for step in range(3):
+            joined = sum((r[step] for r in rows), [])
+            assert joined == list(range(64 * step, min(64 * step + 64, 133)))
+
+
 def test_datasets_two_processes_cannot_cut_are_refused(processes_of):
     processes_of(0)
     distribution = _mesh_distribution((4, 2))
-    with pytest.raises(ValueError, match="global_batch_size=7"):
-        distribution.distribute_dataset(tf.data.Dataset.range(16).batch(7))
     with pytest.raises(ValueError, match="batch size .* is unknown"):
         distribution.distribute_dataset(tf.data.Dataset.range(16))
+    # A batch whose tensors disagree on its size: one line naming them.
+    mismatched = tf.data.Dataset.zip(
+        (
+            tf.data.Dataset.range(16).batch(8, drop_remainder=True),
+            tf.data.Dataset.range(16).batch(4, drop_remainder=True),
+        )
+    )
+    with pytest.raises(ValueError, match=r"batch sizes=\[4, 8\]") as error:
+        distribution.distribute_dataset(mismatched)
+    assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="not supported for auto-sharding"):
         distribution.distribute_dataset([1, 2, 3])
     # Unless the user cuts it: then it passes unchanged.

@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from keras.src.distribution import distribution_lib
+from tensorflow.python.data.experimental.ops import (  # noqa: I001
+    distribute as _tf_data_distribute,
+)
 
 from keras_replicator._src.cluster import layout
 from keras_replicator._src.core import placements
@@ -146,35 +149,21 @@ class ProcessReplicator(multi_worker.MultiWorkerReplicator):
     def experimental_distribute_dataset(self, dataset, options=None):
         """Splits this process's batches over its replicas, in order.
 
-        Raises:
-            tf.errors.InvalidArgumentError: When a batch does not divide
-                over the replicas (naming both numbers).
+        As a replicator splits a batch of unknown size: each replica takes
+        `ceil(batch / replicas)` rows until the batch runs out, so a batch
+        that does not divide (a ragged last one) leaves the last replicas
+        fewer rows, or none. The one process holding the last rows of such
+        a batch splits them by its own count, which may differ from one
+        host's split over every device (13 rows on 2 processes of 2
+        devices are 4, 4 | 3, 2; on 4 devices of one host 4, 4, 4, 1);
+        every replica is weighed by its rows, so the numbers are the same.
         """
         count = len(self.extended.worker_devices)
-
-        def split(*element):
-            element = element[0] if len(element) == 1 else element
-            size = tf.shape(tf.nest.flatten(element)[0])[0]
-            check = tf.debugging.Assert(
-                tf.equal(size % count, 0),
-                [
-                    f"This process's batch does not divide over its {count} "
-                    f"replicas. Received: replicas per process={count}, "
-                    "batch size=",
-                    size,
-                ],
-            )
-            with tf.control_dependencies([check]):
-                pieces = tf.nest.map_structure(
-                    lambda t: tf.reshape(
-                        t,
-                        tf.concat([[count, -1], tf.shape(t)[1:]], 0),
-                    ),
-                    element,
-                )
-            return tf.data.Dataset.from_tensor_slices(pieces)
-
-        per_replica = dataset.flat_map(split)
+        # The replicators' own split (`experimental_distribute_dataset` of
+        # a `MirroredStrategy` uses it for a batch of unknown size).
+        per_replica = _tf_data_distribute._LegacyRebatchDataset(  # noqa: SLF001
+            dataset, count
+        )
         batches = int(dataset.cardinality())
         if batches >= 0:
             # Keeps the count `fit` reads its steps from (see

@@ -22,8 +22,11 @@ before any replicator exists, so no replicator kind installs it):
   process's devices (`"/job:worker/task:1/cpu:0"`) and `num_processes()`/
   `process_id()` are the real values;
 - cuts each global batch by process with a `map`
-  (`Distribution.distribute_tf_dataset`), keeping the dataset's length,
-  and passes `replicator.distribute(...)` data through
+  (`Distribution.distribute_tf_dataset`), keeping the dataset's length:
+  each process takes the rows a replicator gives its devices, so a batch
+  that does not divide by the processes (a ragged last batch) is split
+  as under a replicator, possibly leaving a process none; and passes
+  `replicator.distribute(...)` data through
   (`Distribution.distribute_dataset`); on Keras 3.10 to 3.14, which cut
   the batches in `DataParallel.distribute_dataset` and
   `ModelParallel.distribute_dataset`, it replaces those two;
@@ -46,12 +49,6 @@ from keras.src.backend.common import global_state
 from keras.src.backend.tensorflow import distribution_lib as backend_lib
 from keras.src.distribution import distribution_lib
 
-# Keras' own way to read a dataset's static batch size (its
-# `Distribution.distribute_tf_dataset` uses it too); no public API has it.
-from tensorflow.python.data.experimental.ops import (  # noqa: I001
-    distribute as _tf_data_distribute,
-)
-
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
 
@@ -62,10 +59,6 @@ _initializer: Callable[..., None] | None = None
 _processes: Callable[[], Any] | None = None
 # The strategy `set_distribution` made current, to drop it again.
 _current: list[Any] = []
-_INDIVISIBLE_BATCH = (
-    "The global batch size must divide by the number of processes: each "
-    "process takes an equal part of every batch."
-)
 
 
 def set_replicator_factory(factory: Callable[[Any], Any]) -> None:
@@ -181,12 +174,20 @@ def _distribute_tf_dataset(original, self, dataset):
     from one device's numbers (by about 1e-3 after Adam; the cause in
     TensorFlow's multi-worker iterator is not pinned down). A `map` keeps it,
     and gives the same batches when the global batch divides by the
-    processes. Every process takes its part whatever the mesh: compute is
-    data-parallel over every device (`distribution/runtime.py`).
+    processes. Keras' cut refuses a global batch size that does not, and
+    gives a ragged last batch to some processes only (uneven step counts);
+    the `map` splits both as a replicator does (`_cut_by_process`). Every
+    process takes its part whatever the mesh: compute is data-parallel
+    over every device (`distribution/runtime.py`).
     """
     if _joined() is None or not self._is_multi_process:
         return original(self, dataset)
-    return _cut_by_process(dataset, self._num_processes, self._process_id)
+    return _cut_by_process(
+        dataset,
+        self._num_processes,
+        self._process_id,
+        _joined().replicas_per_worker,
+    )
 
 
 def _distribute_dataset_keras_3_10(original, self, dataset):
@@ -209,17 +210,28 @@ def _distribute_dataset_keras_3_10(original, self, dataset):
         dataset, tf.data.Dataset
     ):
         return original(self, dataset)
-    return _cut_by_process(dataset, joined.num_processes, joined.process_id)
+    return _cut_by_process(
+        dataset,
+        joined.num_processes,
+        joined.process_id,
+        joined.replicas_per_worker,
+    )
 
 
-def _cut_by_process(dataset, count, index):
+def _cut_by_process(dataset, count, index, devices_per_process=1):
     """Process `index` of `count` takes its part of every global batch.
 
+    Its part is the rows its devices get when a replicator splits the
+    batch over every device of every process, in process order: each
+    device takes `ceil(batch / devices)` rows until the batch runs out
+    (`_device_rows`). So a batch that does not divide by the processes,
+    a ragged last batch included, is split as under a replicator, and a
+    process may get no rows (the step then weighs it by its count: zero).
+
     Raises:
-        ValueError: As Keras' own cut does, before any data is read: for a
-            dataset of unbatched scalars, and for a static global batch size
-            that does not divide by the processes. A batch whose size is
-            known only at run time is checked there (a partial last batch).
+        ValueError: Before any data is read, with one line naming the
+            value: for a dataset of unbatched scalars, and for a batch
+            whose tensors have different (static) batch sizes.
     """
     specs = tf.nest.flatten(dataset.element_spec)
     if any(
@@ -231,36 +243,57 @@ def _cut_by_process(dataset, count, index):
             "`dataset.batch(batch_size)`); each process takes its part of "
             f"every batch. Received: element_spec={dataset.element_spec}"
         )
-    try:
-        size = int(_tf_data_distribute.compute_batch_size(dataset))
-    except (ValueError, TypeError, IndexError):
-        # An element structure TensorFlow cannot read a batch size from:
-        # left to the run-time check below, as an unknown size is.
-        size = -1
-    if size > 0 and size % count:
+    sizes = sorted(
+        {
+            s.shape[0]
+            for s in specs
+            if s.shape.rank is not None and s.shape[0] is not None
+        }
+    )
+    if len(sizes) > 1:
         raise ValueError(
-            f"{_INDIVISIBLE_BATCH} Received: num_processes={count}, "
-            f"global_batch_size={size}"
+            "Every tensor of a batch must have the same batch size (first "
+            "dimension): each process takes the same rows of each. "
+            f"Received: batch sizes={sizes}, element_spec="
+            f"{dataset.element_spec}"
         )
+    devices = count * devices_per_process
+    first = index * devices_per_process
 
     def cut(*element):
         element = element[0] if len(element) == 1 else element
         size = tf.shape(tf.nest.flatten(element)[0])[0]
-        check = tf.debugging.Assert(
-            tf.equal(size % count, 0),
-            [
-                f"{_INDIVISIBLE_BATCH} Received: num_processes={count}, "
-                "global_batch_size=",
-                size,
-            ],
+        start, stop = _device_rows(
+            size, devices, first, first + devices_per_process
         )
-        with tf.control_dependencies([check]):
-            part = size // count
-        return tf.nest.map_structure(
-            lambda t: t[index * part : (index + 1) * part], element
-        )
+        return tf.nest.map_structure(lambda t: t[start:stop], element)
 
     return dataset.map(cut).prefetch(tf.data.AUTOTUNE)
+
+
+def _device_rows(size, devices, first, stop):
+    """Rows `[start, end)` of devices `first` to `stop - 1` of `devices`.
+
+    A replicator splits a batch of unknown size (a ragged last batch) with
+    TensorFlow's `_LegacyRebatchDataset`: device d takes rows
+    `[d * c, (d + 1) * c)` of the batch's `size`, with
+    `c = ceil(size / devices)`, clipped to the batch (64 rows on 3 devices
+    are 22, 22 and 20; 5 rows on 4 devices are 2, 2, 1 and 0).
+
+    Args:
+        size: The batch's number of rows (a scalar tensor).
+        devices: The number of devices the batch is split over.
+        first: The first device of the range.
+        stop: One past its last device.
+
+    Returns:
+        `(start, end)`, scalar tensors of `size`'s dtype.
+    """
+    chunk = (size + devices - 1) // devices
+    return (
+        tf.minimum(first * chunk, size),
+        tf.minimum(stop * chunk, size),
+    )
 
 
 def _distribute_dataset(original, self, dataset):
