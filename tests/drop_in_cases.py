@@ -282,7 +282,7 @@ ROWS = {
         1e-5,
     ),
     # 93 examples: the last global batch of 29 splits 15/14 (2 replicas)
-    # and 8/7/7/7 (4 replicas).
+    # and 8/8/8/5 (4 replicas: each takes ceil(29 / 4) rows in turn).
     "uneven_last_batch": (
         _optimizer_row(lambda: keras.optimizers.Adam(0.01), n=93),
         1e-5,
