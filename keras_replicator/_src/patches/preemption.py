@@ -31,6 +31,10 @@ epoch" (keras-team/keras#17012, #19179). Under `LocalReplicator` and
   there (another number of batches, or `replicator.distribute` data whose
   steps depend on the number of workers), a mid-epoch resume raises a
   `ValueError` that says so, instead of skipping or repeating examples;
+- restores a sharded backup (a `ModelParallel` run's) onto whatever the
+  fit runs on, and prints one line naming it. A fit under none of our
+  replicators restores it too (`backup_guard`); no fit deletes a backup
+  it did not restore;
 - stops the hang watchdog's clock while a backup is written, and counts a
   train batch end as its progress (`training/hang_watchdog.py`).
 
