@@ -61,12 +61,14 @@ def one_device():
 def _fit_on_one_host(backup, at_step=None, distribution="mesh"):
     """The workers' fit here; weights, steps trained.
 
-    `distribution`: "mesh" (a (1, 4) mesh), "data_parallel" (4 devices) or
-    "one_device".
+    `distribution`: "mesh" (a (1, 4) mesh), "data_parallel" (4 devices),
+    "one_device", or None (no distribution: Keras alone).
     """
     devices = keras.distribution.list_devices()[:4]
     keras.distribution.set_distribution(
-        {
+        None
+        if distribution is None
+        else {
             "mesh": lambda: reference.preempt_distribution((1, 4), devices),
             "data_parallel": lambda: keras.distribution.DataParallel(
                 devices=devices
@@ -221,6 +223,17 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
             ) in capfd.readouterr().err
         assert ref.step_of(trained[0]) == saved, where
         assert_weights_close(weights, one_device)
+    # With no distribution at all (a script run on one device to debug
+    # it): restored, not deleted unread; only our strategies resume at the
+    # step, so the epoch in progress starts again, and a line says so.
+    copy = tmp_path / "backup_none"
+    shutil.copytree(backup, copy)
+    capfd.readouterr()
+    _, trained = _fit_on_one_host(copy, distribution=None)
+    assert trained[0] == (saved // ref.STEPS_PER_EPOCH, 0)
+    said = capfd.readouterr().err
+    assert f"restored the backup {copy}/sharded" in said
+    assert "written on ProcessReplicator (2 workers, 4 replicas)" in said
     weights, trained = _fit_on_one_host(backup)
     assert ref.step_of(trained[0]) == saved
     assert len(trained) == ref.TOTAL_STEPS - saved

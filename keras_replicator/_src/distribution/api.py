@@ -15,6 +15,7 @@ import tensorflow as tf
 from keras_replicator._src.core import placements
 from keras_replicator._src.distribution import processes
 from keras_replicator._src.distribution import runtime
+from keras_replicator._src.patches import backup_guard
 from keras_replicator._src.patches import keras_distribution
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import sharded
@@ -23,15 +24,16 @@ from keras_replicator._src.sharding import sharded
 def enable() -> None:
     """Fills Keras' TensorFlow distribution hooks (idempotent).
 
-    The one patch not installed by a replicator: `keras.distribution` is
-    used before any replicator exists.
+    The patches not installed by a replicator: `keras.distribution` is
+    used before any replicator exists, and a backup is found by fits under
+    none (`backup_guard`).
     """
     keras_distribution.set_replicator_factory(runtime.replicator_for)
     processes.set_replicator_factory(runtime.process_replicator)
     keras_distribution.set_process_hooks(
         processes.initialize, processes.current
     )
-    registry.install([keras_distribution.PATCH.name])
+    registry.install([keras_distribution.PATCH.name, backup_guard.PATCH.name])
 
 
 def shard_shapes(variable: Any) -> dict[str, tuple[int, ...]]:

@@ -6,6 +6,7 @@ replicators install the ones of their kind (`install_for`). See
 """
 
 from keras_replicator._src.patches import atomic_assign
+from keras_replicator._src.patches import backup_guard
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import chief_saves
 from keras_replicator._src.patches import exact_eval
@@ -24,6 +25,7 @@ from keras_replicator._src.patches import trainer_loops
 
 __all__ = (
     "atomic_assign",
+    "backup_guard",
     "chief_only",
     "chief_saves",
     "exact_eval",

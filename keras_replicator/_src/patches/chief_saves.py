@@ -12,19 +12,37 @@ So on a process other than the chief, `saving_lib.save_weights_only` and
 `saving_lib.save_model` walk the model exactly as the chief's save does,
 in the same order, and read every value into nothing (`_NoWrites`): they
 join each gather and write no file. The chief's save writes one variable
-at a time, as Keras does, so no process holds the whole model. A file the
-chief alone saves (`if chief: model.save_weights(...)`) still needs the
-others for its gathers: `sharding/sharded.py` says so within the
-collective timeout instead of waiting forever.
+at a time, as Keras does, so no process holds the whole model.
+
+A save returns on every process only once the chief has closed the file:
+every process waits at a barrier after the write, and at one before it, so
+the chief never rewrites a file another process is still reading (a
+`save_weights(p)` then `load_weights(p)` on every process, in a loop).
+Without them a process other than the chief returned after the gathers
+(or at once, under `DataParallel`) and its `load_weights` met the chief's
+lock on the file half written. So a save is collective, as under
+`MultiWorkerMirroredStrategy`: a file the chief alone saves (`if chief:
+model.save_weights(...)`) fails within the collective timeout (else the
+replicator's start-up timeout, else 60 s) with an error that says so,
+instead of waiting forever. A sharded `BackupAndRestore` backup
+(`sharding/checkpoint.py`) does not come here: it writes in the
+background, and its save "returns" once this process's blocks are copied.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from keras.src import backend
 from keras.src.saving import saving_lib
 
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
+from keras_replicator._src.sharding import sharded
+
+# Saves of this process, counted alike on every process (each barrier id is
+# used once per cluster).
+_saves = itertools.count()
 
 
 class _Discard(dict):
@@ -56,14 +74,15 @@ class _NoWrites(saving_lib.H5IOStore):
         """Nothing to close."""
 
 
-def _reader(model) -> bool:
-    """True on a non-chief process of one of our multi-process replicators."""
+def _processes(model):
+    """The model's multi-process replicator, or None."""
     strategy = getattr(model, "distribute_strategy", None)
-    return (
-        traits.is_ours(strategy)
+    if (
+        traits.kind(strategy) == "multi_worker"
         and getattr(strategy, "num_workers", 1) > 1
-        and not strategy.is_chief
-    )
+    ):
+        return strategy
+    return None
 
 
 def _read_along(model) -> None:
@@ -81,12 +100,39 @@ def _read_along(model) -> None:
     )
 
 
+def _together(strategy, number: int, stage: str, filepath) -> None:
+    sharded.wait_for_processes(
+        strategy,
+        f"keras_replicator/save/{number}/{stage}",
+        lambda seconds: (
+            "A Keras save under a multi-process distribution is written by "
+            "the chief and returns on every process once the file is "
+            "complete, so every process must call it at the same point "
+            "(`save_weights`, `save` and `ModelCheckpoint` on every process, "
+            "with one path), not under `if chief:`. The other processes did "
+            f"not reach the {stage} of this save within {seconds:g} s. "
+            f"Received: filepath={str(filepath)!r}"
+        ),
+    )
+
+
 def _save(original, model, filepath, *args, **kwargs):
     # `save_weights_only` and `save_model` alike.
-    if not _reader(model):
+    strategy = _processes(model)
+    if strategy is None:
         return original(model, filepath, *args, **kwargs)
-    _read_along(model)
-    return None
+    number = next(_saves)
+    # Every process is done with the file (a `load_weights` of the last
+    # save) before the chief opens it for writing.
+    _together(strategy, number, "start", filepath)
+    result = None
+    if strategy.is_chief:
+        result = original(model, filepath, *args, **kwargs)
+    else:
+        _read_along(model)
+    # The chief has closed the file: it is complete for every process.
+    _together(strategy, number, "end", filepath)
+    return result
 
 
 PATCH = registry.register(

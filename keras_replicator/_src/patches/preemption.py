@@ -31,6 +31,10 @@ epoch" (keras-team/keras#17012, #19179). Under `LocalReplicator` and
   there (another number of batches, or `replicator.distribute` data whose
   steps depend on the number of workers), a mid-epoch resume raises a
   `ValueError` that says so, instead of skipping or repeating examples;
+- restores a sharded backup (a `ModelParallel` run's) onto whatever the
+  fit runs on, and prints one line naming it. A fit under none of our
+  replicators restores it too (`backup_guard`); no fit deletes a backup
+  it did not restore;
 - stops the hang watchdog's clock while a backup is written, and counts a
   train batch end as its progress (`training/hang_watchdog.py`).
 
@@ -371,13 +375,15 @@ def _load_model(original, self):
     # A backup of this process still being written (a fit that raised,
     # retried in a notebook) is complete before it is looked for.
     _wait_for_backups()
-    sharded = _sharded_backup(target)
+    sharded = sharded_backup(target)
     if sharded is not None:
         # A ModelParallel run's backup loads onto whatever this run has.
         if not self.model.built:
             return original(self)  # Keras' own error for an unbuilt model.
         metadata = checkpoint.load(self.model, sharded)
         self.model._initial_epoch = metadata["epoch"]
+        if getattr(run.strategy, "is_chief", True):
+            say_restored(sharded, metadata, describe_strategy(run.strategy))
         _resume_from(run, metadata, sharded, target, self.model)
         return None
     source = target
@@ -393,19 +399,67 @@ def _load_model(original, self):
     return None
 
 
-def _sharded_backup(target: str) -> str | None:
+def handles(model) -> bool:
+    """Whether a `fit` of `model` under one of our replicators is running.
+
+    Its `BackupAndRestore._load_model` then restores whatever backup it
+    finds, at the exact step (`_load_model` above).
+    """
+    return _run_for(model) is not None
+
+
+def sharded_backup(target: str) -> str | None:
     """The folder of the sharded backup to restore, if the backup is one.
 
     `<backup_dir>.previous` holds it when a process was killed between the
-    two renames of a whole save that replaced it.
+    two renames of a whole save that replaced it. A whole backup written
+    later beside it (by a `fit` Keras ran alone, which saves in place and
+    leaves the folder) is the one to restore: the sharded one is then not
+    returned.
     """
     for root in (target, target + PREVIOUS_SUFFIX):
         if root != target and os.path.isdir(target):
             break
         folder = os.path.join(root, SHARDED_FOLDER)
-        if os.path.exists(os.path.join(folder, checkpoint.INDEX)):
-            return folder
+        index = os.path.join(folder, checkpoint.INDEX)
+        if not os.path.exists(index):
+            continue
+        whole = os.path.join(root, _METADATA_FILE)
+        if os.path.exists(whole) and (
+            os.stat(whole).st_mtime_ns > os.stat(index).st_mtime_ns
+        ):
+            return None
+        return folder
     return None
+
+
+def describe_strategy(strategy) -> str:
+    """Where a backup is restored, for the line that says so."""
+    if traits.is_ours(strategy):
+        return _describe(topology(strategy))
+    name = type(strategy).__name__
+    # No strategy: TensorFlow's default one, or none recorded.
+    if strategy is None or name.startswith("_Default"):
+        return "one device"
+    return name
+
+
+def say_restored(source, metadata: dict, where: str, note: str = "") -> None:
+    """Prints the one line that says which backup was restored, and where."""
+    ours = metadata.get(METADATA_KEY) or {}
+    epoch = ours.get("epoch", metadata.get("epoch", 0))
+    done = ours.get("steps_done", 0)
+    position = f"at the start of epoch {epoch + 1}"
+    if done:
+        position = f"after step {done} of epoch {epoch + 1}"
+    saved = ours.get("topology")
+    written = f", written on {_describe(saved)}" if saved else ""
+    print(
+        f"[keras-replicator] restored the backup {os.fspath(source)} "
+        f"({position}{written}) on {where}{note}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _resume_from(run: _Run, metadata: dict, source, target, model) -> None:

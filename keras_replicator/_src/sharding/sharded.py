@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -289,17 +290,10 @@ def _all_processes_here(strategy, path: str) -> None:
     if not tf.executing_eagerly():
         return
     read = next(_host_reads)
-    seconds = (
-        getattr(strategy, "collective_timeout_seconds", None)
-        or getattr(strategy, "timeout_seconds", None)
-        or _DEFAULT_READ_TIMEOUT
-    )
-    try:
-        context.context().wait_at_barrier(
-            f"keras_replicator/sharded_read/{read}", int(seconds * 1000)
-        )
-    except (tf.errors.OpError, RuntimeError) as error:
-        raise RuntimeError(
+    wait_for_processes(
+        strategy,
+        f"keras_replicator/sharded_read/{read}",
+        lambda seconds: (
             "Reading a variable sharded by ModelParallel outside a training "
             "step all-gathers its blocks from every process, so every "
             "process must read it at the same point: call `get_weights()`, "
@@ -307,7 +301,36 @@ def _all_processes_here(strategy, path: str) -> None:
             "(the chief alone writes the file), not under `if chief:`. The "
             f"other processes did not join this read within {seconds:g} s. "
             f"Received: variable path={path!r}"
-        ) from error
+        ),
+    )
+
+
+def wait_for_processes(
+    strategy, barrier: str, message: Callable[[float], str]
+) -> None:
+    """A barrier of every process, bounded by the collective timeout.
+
+    The bound is the replicator's collective timeout, else its start-up
+    timeout, else 60 s.
+
+    Args:
+        strategy: The multi-process replicator.
+        barrier: The barrier's id: every process passes the same one, and
+            each id is used once per cluster.
+        message: The error's text, given the bound in seconds.
+
+    Raises:
+        RuntimeError: If the other processes did not arrive in time.
+    """
+    seconds = (
+        getattr(strategy, "collective_timeout_seconds", None)
+        or getattr(strategy, "timeout_seconds", None)
+        or _DEFAULT_READ_TIMEOUT
+    )
+    try:
+        context.context().wait_at_barrier(barrier, int(seconds * 1000))
+    except (tf.errors.OpError, RuntimeError) as error:
+        raise RuntimeError(message(seconds)) from error
 
 
 def _gather_blocks(strategy, stored, placement) -> tf.Tensor:

@@ -1,0 +1,174 @@
+"""A save returns on every process once the chief has closed the file.
+
+4 processes, one device each, a JAX-style script: `save_weights(p)` then
+`load_weights(p)` on every process, 10 times in a row (the weights change
+each time, so a stale or half-written file shows), then `fit` with a
+`ModelCheckpoint` and `load_weights` of its file right after, on every
+process: under `ModelParallel` on a (1, 4) mesh, under `DataParallel`, and
+under a `MultiWorkerReplicator`. Before, a process other than the chief
+returned from `save_weights` while the chief still wrote and its
+`load_weights` failed on the file's lock (`BlockingIOError: unable to lock
+file`). The trained weights equal one device's. A save by the chief alone
+ends in a clear error within the collective timeout. One process group
+for every check.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from tests.helpers import assert_weights_close
+from tests.multi_worker import harness
+
+WORKER = """
+import os, sys
+import keras, numpy as np, tensorflow as tf
+from tensorflow.python.eager import context
+import keras_replicator as kr
+from tests.multi_worker import harness
+from tests.multi_worker.test_chief_saves import build, data
+
+out = sys.argv[1]
+keras.distribution.initialize()
+devices = keras.distribution.list_devices()
+mesh = keras.distribution.DeviceMesh((1, 4), ("batch", "model"), devices)
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map[".*h/kernel"] = (None, "model")
+x, y = data()
+examples = tf.data.Dataset.from_tensor_slices((x, y))
+report = {}
+for name in ("model_parallel", "data_parallel", "replicator"):
+    scope = None
+    batches = examples.batch(8)
+    if name == "model_parallel":
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"))
+    elif name == "data_parallel":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices))
+    else:
+        keras.distribution.set_distribution(None)
+        replicator = kr.MultiWorkerReplicator()
+        batches = replicator.distribute(examples, 8)
+        scope = replicator.scope()
+        scope.__enter__()
+    model = build()
+    base = model.get_weights()
+    path = os.path.join(out, name + ".weights.h5")
+    loaded = []
+    for i in range(10):
+        model.set_weights([w + i for w in base])
+        model.save_weights(path)
+        model.set_weights([np.zeros_like(w) for w in base])
+        model.load_weights(path)
+        loaded.append(all(
+            np.array_equal(a, w + i)
+            for a, w in zip(model.get_weights(), base)))
+    model.set_weights(base)
+    checkpoint = os.path.join(out, name + ".checkpoint.weights.h5")
+    model.fit(batches, epochs=2, verbose=0,
+              callbacks=[keras.callbacks.ModelCheckpoint(
+                  checkpoint, save_weights_only=True)])
+    trained = model.get_weights()
+    model.set_weights([np.zeros_like(w) for w in base])
+    model.load_weights(checkpoint)
+    report[name] = {
+        "loaded": loaded,
+        "checkpoint": [w.tolist() for w in model.get_weights()],
+        "trained": [w.tolist() for w in trained],
+    }
+    if scope is not None:
+        scope.__exit__(None, None, None)
+keras.distribution.set_distribution(None)
+# The chief saves alone (the replicator's model, whose save gathers
+# nothing): a clear error within the (here short) collective timeout.
+strategy = model.distribute_strategy
+strategy._collective_timeout_seconds = 5
+if strategy.is_chief:
+    try:
+        model.save_weights(os.path.join(out, "alone.weights.h5"))
+    except RuntimeError as error:
+        report["alone"] = str(error)
+context.context().wait_at_barrier("test/after_alone", 120_000)
+harness.write_result(report)
+"""
+
+
+def data():
+    """32 examples: 8 features, 2 targets."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    return x, x[:, :2] * 0.5 - 1.0
+
+
+def build():
+    """A small compiled model with fixed weights (the same everywhere)."""
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, name="h"),
+            keras.layers.Dense(2, name="o"),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    rng = np.random.default_rng(1)
+    model.set_weights(
+        [
+            rng.normal(size=w.shape).astype("float32") * 0.3
+            for w in model.get_weights()
+        ]
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("saves")
+    return harness.run_workers(
+        WORKER,
+        num_workers=4,
+        replicas_per_worker=1,
+        timeout=420,
+        args=[str(out)],
+    ), out
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(540)
+def test_save_then_load_on_every_process_ten_times(workers):
+    results, _ = workers
+    for r in results:
+        for name in ("model_parallel", "data_parallel", "replicator"):
+            assert r.result[name]["loaded"] == [True] * 10, (name, r.index)
+        assert "unable to lock file" not in r.output
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(540)
+def test_checkpoint_is_complete_when_fit_returns(workers):
+    results, out = workers
+    x, y = data()
+    model = build()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = model.get_weights()
+    for r in results:
+        for name in ("model_parallel", "data_parallel", "replicator"):
+            got = r.result[name]
+            assert_weights_close(got["trained"], expected)
+            assert_weights_close(got["checkpoint"], expected)
+    # Only the chief wrote, each file once.
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{name}{suffix}"
+        for name in ("model_parallel", "data_parallel", "replicator")
+        for suffix in (".weights.h5", ".checkpoint.weights.h5")
+    )
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(540)
+def test_a_save_by_the_chief_alone_fails_clearly(workers):
+    results, _ = workers
+    chief = results[0].result
+    assert "not under `if chief:`" in chief["alone"]
+    assert "alone.weights.h5" in chief["alone"]
+    assert all("alone" not in r.result for r in results[1:])

@@ -1,0 +1,209 @@
+"""A backup is never deleted unless it was restored, in one process.
+
+Every pair of a setting that writes a backup (`ModelParallel` on a (1, 4)
+mesh, whose backup is sharded; `DataParallel`; a `LocalReplicator`; one
+device, with `keras_replicator` imported and nothing else) and one that
+restores it (one device; a `LocalReplicator`; `ModelParallel` on a (2, 2)
+mesh): the first fit trains one epoch and keeps its backup, a new model's
+fit then resumes at the second epoch and ends with the weights of an
+uninterrupted fit on one device (1e-5); only then is the backup deleted.
+Before, one device started a sharded backup over at the first epoch,
+without a word, and deleted it at the end. Also: a sharded backup written
+inside an epoch restores on one device and says that the epoch starts
+again; one that does not fit the model is refused by name, and kept; a
+whole backup left in `<backup_dir>.previous` (a process killed between the
+renames of a save) restores on one device; a whole backup written after a
+sharded one, beside it, is the one restored. A backup written by 2
+processes restoring on one device is in
+`tests/multi_worker/test_distribution_resume.py`.
+"""
+
+import contextlib
+import os
+import shutil
+import signal
+
+import keras
+import pytest
+
+import keras_replicator as kr
+from keras_replicator._src.patches import preemption as preemption_patch
+from keras_replicator._src.training import preemption
+from tests.helpers import assert_weights_close
+from tests.multi_worker import distribution_reference as reference
+from tests.multi_worker import preempt_reference as ref
+
+pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data")
+
+SAVERS = ("model_parallel", "data_parallel", "replicator", "one_device")
+PREVIOUS = preemption_patch.PREVIOUS_SUFFIX
+
+
+@pytest.fixture(autouse=True)
+def no_distribution():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+@contextlib.contextmanager
+def _setting(name, mesh=(1, 4)):
+    devices = keras.distribution.list_devices()[:4]
+    if name == "replicator":
+        with kr.LocalReplicator(num_replicas=2).scope():
+            yield
+        return
+    if name == "model_parallel":
+        distribution = reference.preempt_distribution(mesh, devices)
+    elif name == "data_parallel":
+        distribution = keras.distribution.DataParallel(devices=devices)
+    else:
+        yield
+        return
+    keras.distribution.set_distribution(distribution)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def _fit(name, backup, epochs, mesh=(1, 4), at_step=None, **backup_args):
+    """A new model's fit in setting `name`; its weights and steps trained."""
+    with _setting(name, mesh):
+        model = reference.build_preempt()
+        probe = ref.Probe(at_step)
+        model.fit(
+            reference.preempt_dataset(),
+            shuffle=False,
+            epochs=epochs,
+            callbacks=[
+                keras.callbacks.BackupAndRestore(str(backup), **backup_args),
+                probe,
+            ],
+            verbose=0,
+        )
+        return model.get_weights(), probe.trained
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The weights of an uninterrupted fit of 2 epochs on one device."""
+    model = reference.build_preempt()
+    model.fit(reference.preempt_dataset(), shuffle=False, epochs=2, verbose=0)
+    return model.get_weights()
+
+
+@pytest.fixture(scope="module")
+def three_epochs():
+    """The same for 3 epochs."""
+    model = reference.build_preempt()
+    model.fit(reference.preempt_dataset(), shuffle=False, epochs=3, verbose=0)
+    return model.get_weights()
+
+
+# Whole backups under a replicator are restored under the others by the
+# preemption patch's own tests; here the ones that went wrong and one more.
+RESTORERS = {
+    "model_parallel": ("one_device", "replicator", "model_parallel"),
+    "data_parallel": ("one_device", "model_parallel"),
+    "replicator": ("one_device", "model_parallel"),
+    "one_device": ("one_device", "model_parallel"),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("saver", SAVERS)
+def test_a_backup_resumes_under_every_setting_then_goes(
+    saver, one_device, tmp_path, capfd
+):
+    saved = tmp_path / "saved"
+    _fit(saver, saved, epochs=1, delete_checkpoint=False)
+    assert (saved / "sharded").exists() == (saver == "model_parallel")
+    for restorer in RESTORERS[saver]:
+        backup = tmp_path / restorer
+        shutil.copytree(saved, backup)
+        capfd.readouterr()
+        weights, trained = _fit(restorer, backup, epochs=2, mesh=(2, 2))
+        said = capfd.readouterr().err
+        where = f"{saver} -> {restorer}"
+        assert trained[0] == (1, 0), where
+        assert len(trained) == ref.STEPS_PER_EPOCH, where
+        assert_weights_close(weights, one_device)
+        # Deleted at the end, by Keras, once restored.
+        assert not backup.exists(), where
+        if saver == "model_parallel":
+            assert f"restored the backup {backup}/sharded" in said, where
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_backup_from_inside_an_epoch_restores_on_one_device(
+    tmp_path, capfd
+):
+    backup = tmp_path / "backup"
+
+    def sigterm_at(step):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(SystemExit):
+        _fit("model_parallel", backup, ref.EPOCHS, at_step=sigterm_at)
+    preemption.cancel_exit_deadline()
+    capfd.readouterr()
+    with _setting("one_device"):
+        model = reference.build_preempt()
+        model.fit(
+            reference.preempt_dataset(),
+            shuffle=False,
+            epochs=1,
+            callbacks=[keras.callbacks.BackupAndRestore(str(backup))],
+            verbose=0,
+            steps_per_epoch=1,
+        )
+    said = capfd.readouterr().err
+    assert f"restored the backup {backup}/sharded" in said
+    assert "after step 5 of epoch 1" in said
+    assert "this epoch starts again at its first batch" in said
+
+
+def test_a_sharded_backup_that_does_not_fit_is_refused_and_kept(tmp_path):
+    backup = tmp_path / "backup"
+    _fit("model_parallel", backup, epochs=1, delete_checkpoint=False)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    with pytest.raises(ValueError, match="kr.load_checkpoint") as info:
+        model.fit(
+            reference.preempt_dataset(),
+            shuffle=False,
+            epochs=2,
+            callbacks=[keras.callbacks.BackupAndRestore(str(backup))],
+            verbose=0,
+        )
+    assert f"{backup}/sharded" in str(info.value)
+    assert (backup / "sharded" / "index.json").exists()
+
+
+def test_a_backup_left_in_previous_restores_on_one_device(one_device, tmp_path):
+    backup = tmp_path / "backup"
+    _fit("replicator", backup, epochs=1, delete_checkpoint=False)
+    # A process killed between the two renames of its next save.
+    os.rename(backup, f"{backup}{PREVIOUS}")
+    weights, trained = _fit("one_device", backup, epochs=2)
+    assert trained[0] == (1, 0)
+    assert_weights_close(weights, one_device)
+    assert not backup.exists()
+    assert not os.path.exists(f"{backup}{PREVIOUS}")
+
+
+def test_a_whole_backup_written_after_a_sharded_one_is_restored(
+    three_epochs, tmp_path
+):
+    backup = tmp_path / "backup"
+    _fit("model_parallel", backup, epochs=1, delete_checkpoint=False)
+    # One device resumes the sharded backup and saves whole files beside
+    # it, in place, as Keras does.
+    _, trained = _fit("one_device", backup, epochs=2, delete_checkpoint=False)
+    assert trained[0] == (1, 0)
+    assert (backup / "sharded").exists()
+    weights, trained = _fit("replicator", backup, epochs=3)
+    assert trained[0] == (2, 0)
+    assert_weights_close(weights, three_epochs)
