@@ -233,7 +233,7 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
     assert trained[0] == (saved // ref.STEPS_PER_EPOCH, 0)
     said = capfd.readouterr().err
     assert f"restored the backup {copy}/sharded" in said
-    assert "written on ProcessReplicator (2 workers, 4 replicas)" in said
+    assert "written on MultiWorkerReplicator (2 workers, 4 replicas)" in said
     weights, trained = _fit_on_one_host(backup)
     assert ref.step_of(trained[0]) == saved
     assert len(trained) == ref.TOTAL_STEPS - saved
