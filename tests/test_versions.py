@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 from keras.src.backend.tensorflow import distribution_lib as backend_lib
 
+from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
 
@@ -116,8 +117,8 @@ def test_a_newer_release_warns_when_every_pin_holds():
     found = {"tensorflow": "2.23.0", "keras": keras.__version__}
     holding = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
-        ("class TensorFlowTrainer(base_trainer.Trainer):",),
-        attributes=("TensorFlowTrainer.test_step",),
+        ("def test_step(self, data):",),
+        attributes=(f"{keras_src.TF_TRAINER}.test_step",),
     )
     with pytest.warns(versions.UntestedReleaseWarning) as warned:
         registry.check_pins(found, [_patch(pins=(holding,))])
@@ -131,8 +132,8 @@ def test_a_newer_release_is_refused_when_a_pin_fails():
     found = {"tensorflow": "2.21.0", "keras": "3.17.0"}
     failing = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
-        ("class TensorFlowTrainer(base_trainer.Trainer):", "no such line"),
-        attributes=("TensorFlowTrainer._no_such_hook",),
+        ("def test_step(self, data):", "no such line"),
+        attributes=(f"{keras_src.TF_TRAINER}._no_such_hook",),
     )
     with pytest.raises(ImportError) as raised:
         registry.check_pins(found, [_patch(pins=(failing,))])
@@ -141,7 +142,7 @@ def test_a_newer_release_is_refused_when_a_pin_fails():
         "Keras 3.17.0 is newer than the supported releases, and patch "
         "'test_versions_missing_hook' pins code "
         "keras.src.backend.tensorflow.trainer no longer has: "
-        "['no such line', 'attribute TensorFlowTrainer._no_such_hook']. "
+        f"['no such line', 'attribute {keras_src.TF_TRAINER}._no_such_hook']. "
         "keras-replicator supports tensorflow>=2.19,<2.23"
     )
     assert message.endswith("Received: tensorflow=2.21.0, keras=3.17.0")
@@ -175,11 +176,11 @@ def test_import_of_a_newer_release_warns_in_one_line():
 
 def test_import_of_a_newer_release_lacking_a_private_hook_is_refused():
     result = _import_keras_replicator_after(
-        """
+        f"""
         import tensorflow as tf
         tf.__version__ = "2.23.0"
         from keras.src.backend.tensorflow import trainer
-        del trainer.TensorFlowTrainer.test_step
+        del trainer.{keras_src.TF_TRAINER}.test_step
         """
     )
     assert result.returncode != 0
@@ -187,7 +188,8 @@ def test_import_of_a_newer_release_lacking_a_private_hook_is_refused():
     assert last.startswith(
         "ImportError: TensorFlow 2.23.0 is newer than the supported "
         "releases, and patch 'exact_eval' needs `keras.src.backend."
-        "tensorflow.trainer.TensorFlowTrainer.test_step`, which it lacks."
+        f"tensorflow.trainer.{keras_src.TF_TRAINER}.test_step`, which it "
+        "lacks."
     )
     assert last.endswith(
         f"Received: tensorflow=2.23.0, keras={keras.__version__}"
@@ -214,16 +216,16 @@ def test_import_refuses_an_unsupported_tensorflow():
 def test_import_reports_a_missing_private_hook():
     # As a Keras release without the private method a patch replaces.
     result = _import_keras_replicator_after(
-        """
+        f"""
         from keras.src.backend.tensorflow import trainer
-        del trainer.TensorFlowTrainer.test_step
+        del trainer.{keras_src.TF_TRAINER}.test_step
         """
     )
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(
         "ImportError: Patch 'exact_eval' needs `keras.src.backend."
-        "tensorflow.trainer.TensorFlowTrainer.test_step`, which the "
+        f"tensorflow.trainer.{keras_src.TF_TRAINER}.test_step`, which the "
         "installed Keras or TensorFlow lacks."
     )
     assert last.endswith(
@@ -259,12 +261,12 @@ def test_a_missing_pinned_attribute_fails_registration():
     pin = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
         (),
-        attributes=("TensorFlowTrainer._no_such_hook",),
+        attributes=(f"{keras_src.TF_TRAINER}._no_such_hook",),
     )
     with pytest.raises(
         ImportError,
         match="needs `keras.src.backend.tensorflow.trainer."
-        "TensorFlowTrainer._no_such_hook`",
+        f"{keras_src.TF_TRAINER}._no_such_hook`",
     ):
         registry.register(_patch(pins=(pin,)))
 
@@ -273,7 +275,7 @@ def test_a_pin_of_other_releases_is_not_checked():
     pin = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
         (),
-        attributes=("TensorFlowTrainer._no_such_hook",),
+        attributes=(f"{keras_src.TF_TRAINER}._no_such_hook",),
         keras="<3.0",
     )
     assert not pin.applies()
