@@ -38,12 +38,16 @@ SUPPORTED = {
     "tensorflow": ">=2.19,<2.23",
     "keras": ">=3.10,<3.17",
 }
-# The (TensorFlow, Keras) pairs the test suite runs on (`make test` on the
-# last, `make test-compat` on the others).
+# The (TensorFlow, Keras) pairs the test suite runs on (`make test` on
+# 2.21.0 + 3.15.1, `make test-compat` on the others): the last two are the
+# next releases' candidate and nightly builds (the Makefile's
+# COMPAT_NEXT_PAIRS).
 TESTED = (
     ("2.19.1", "3.10.0"),
     ("2.20.0", "3.12.0"),
     ("2.21.0", "3.15.1"),
+    ("2.22.0rc0", "3.15.1"),
+    ("2.21.0", "3.16.0.dev (nightly)"),
 )
 _NAMES = {"tensorflow": "TensorFlow", "keras": "Keras"}
 
