@@ -13,7 +13,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # `make demo`'s included, quiet their own unless TF_CPP_MIN_LOG_LEVEL is set).
 test: export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-compat lint docs install clean
+.PHONY: demo test test-compat print-compat-next-pairs lint docs install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,10 +51,16 @@ test: $(STAMP) lint docs
 	# Exit code 5 means no multi-worker test was collected.
 	$(BIN)/pytest -q --timeout=600 --durations=25 -m multi_worker || test $$? -eq 5
 
-# The older supported TensorFlow releases, each with the oldest Keras it
-# installs with, as TENSORFLOW/KERAS (`make test` runs the newest pair, in
-# .venv). Keep in step with keras_replicator/_src/core/versions.py.
-COMPAT_PAIRS := 2.19.1/3.10.0 2.20.0/3.12.0
+# The other supported TensorFlow releases, each with the oldest Keras it
+# installs with, as TENSORFLOW/KERAS (`make test` runs the newest release
+# pair, in .venv), and the next releases: TensorFlow's release candidate
+# with the newest Keras release, and the newest TensorFlow with Keras'
+# nightly build (KERAS `nightly`: the newest `keras-nightly` when the venv
+# is made; `make clean` takes a newer one). Keep in step with
+# keras_replicator/_src/core/versions.py.
+COMPAT_OLDER_PAIRS := 2.19.1/3.10.0 2.20.0/3.12.0
+COMPAT_NEXT_PAIRS := 2.22.0rc0/3.15.1 2.21.0/nightly
+COMPAT_PAIRS := $(COMPAT_OLDER_PAIRS) $(COMPAT_NEXT_PAIRS)
 # The core tests, and the ones of the version-specific code itself.
 COMPAT_TESTS := tests/test_local_replicator.py tests/test_drop_in.py \
 	tests/test_distribution.py tests/test_primitives.py tests/test_sharding.py \
@@ -67,31 +73,51 @@ COMPAT_TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5"
 
 compat_tf = $(firstword $(subst /, ,$(1)))
 compat_keras = $(lastword $(subst /, ,$(1)))
-compat_venv = .venv-compat-tf$(basename $(call compat_tf,$(1)))
+compat_nightly = $(filter nightly,$(call compat_keras,$(1)))
+compat_venv = .venv-compat-tf$(basename $(call compat_tf,$(1)))$(if $(call compat_nightly,$(1)),-keras-nightly)
 # The stamp names the pair: changing a pin above installs again.
 compat_stamp = $(call compat_venv,$(1))/.installed-tf$(call compat_tf,$(1))-keras$(call compat_keras,$(1))
 
 # One venv per pair, made once: the package as users install it (its own
 # dependencies resolved by pip), the pair pinned, and the test runner.
+# Two distributions install the `keras` module: `keras` and
+# `keras-nightly`, which TensorFlow's release candidates require instead
+# (and the package's `keras` requirement cannot be met by it). pip installs
+# both into one directory, file over file, so after resolving the pair the
+# rule removes both and installs the pair's Keras alone: `keras==KERAS`, or
+# the newest `keras-nightly` (its dependencies are those of `keras`, already
+# installed). TensorFlow's release candidates are on PyPI as `tensorflow`:
+# the `==` pin installs them.
+compat_keras_dist = $(if $(call compat_nightly,$(1)),--pre keras-nightly,keras==$(call compat_keras,$(1)))
 define compat_venv_rule
 $(call compat_stamp,$(1)): pyproject.toml
 	test -x $(call compat_venv,$(1))/bin/python || $(PYTHON) -m venv $(call compat_venv,$(1))
 	rm -f $(call compat_venv,$(1))/.installed-*
 	$(call compat_venv,$(1))/bin/python -m pip install --quiet --disable-pip-version-check \
-		-e . tensorflow==$(call compat_tf,$(1)) keras==$(call compat_keras,$(1)) $(COMPAT_TEST_DEPS)
+		-e . tensorflow==$(call compat_tf,$(1)) $(COMPAT_TEST_DEPS)
+	$(call compat_venv,$(1))/bin/python -m pip uninstall --quiet -y keras keras-nightly
+	$(call compat_venv,$(1))/bin/python -m pip install --quiet --disable-pip-version-check \
+		$(call compat_keras_dist,$(1))
 	touch $$@
 endef
 $(foreach pair,$(COMPAT_PAIRS),$(eval $(call compat_venv_rule,$(pair))))
 
-# Every pair runs, then the target fails if any pair failed.
+# Every pair runs, then the target fails if any pair failed. Each pair's
+# test command is one word of the loop: its venv's pytest, with its name.
+compat_run = $(call compat_tf,$(1))/$(call compat_keras,$(1))=$(call compat_venv,$(1))
 test-compat: $(foreach pair,$(COMPAT_PAIRS),$(call compat_stamp,$(pair)))
-	@failed=""; for pair in $(COMPAT_PAIRS); do \
-		tf=$${pair%/*}; keras=$${pair#*/}; venv=.venv-compat-tf$${tf%.*}; \
-		echo "== TensorFlow $$tf + Keras $$keras ($$venv)"; \
+	@failed=""; for run in $(foreach pair,$(COMPAT_PAIRS),$(call compat_run,$(pair))); do \
+		pair=$${run%%=*}; venv=$${run#*=}; \
+		echo "== TensorFlow $${pair%/*} + Keras $${pair#*/} ($$venv, Keras" \
+			"$$($$venv/bin/python -c 'import keras; print(keras.__version__)'))"; \
 		$$venv/bin/pytest -q --timeout=600 -n $(TEST_JOBS) --dist loadfile \
 			$(COMPAT_DESELECT) $(COMPAT_TESTS) || failed="$$failed $$pair"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "test-compat failed for:$$failed"; exit 1; fi
+
+# For .ci/run, which checks that the index serves them.
+print-compat-next-pairs:
+	@echo $(COMPAT_NEXT_PAIRS)
 
 clean:
 	rm -rf $(VENV) .venv-compat-* build *.egg-info site

@@ -101,7 +101,7 @@ def test_wheel_metadata_has_license_and_extras(dist):
     extras = set(meta.get_all("Provides-Extra"))
     assert {"gpu", "demo", "mpi", "datasets", "hub", "dev"} <= extras
     requires = meta.get_all("Requires-Dist")
-    assert 'tensorflow[and-cuda]<2.22,>=2.19; extra == "gpu"' in requires
+    assert 'tensorflow[and-cuda]<2.23,>=2.19; extra == "gpu"' in requires
     assert any(r.startswith("scikit-learn") for r in requires if "demo" in r)
     # keras-hub is the `hub` extra's alone, and `dev` (the tests) has it.
     hub = [r for r in requires if r.startswith("keras-hub")]

@@ -45,6 +45,11 @@ __all__ = (
 )
 
 
+# A TensorFlow or Keras newer than the supported range: accepted with a
+# warning if every pin holds, refused otherwise.
+registry.check_pins()
+
+
 def install_for(kind: str) -> None:
     """Installs every patch that replicators of `kind` need (idempotent)."""
     registry.install(registry.for_kind(kind))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
-from keras.src.backend.tensorflow import core as tf_core
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
 
+from keras_replicator._src.core import keras_src
 from keras_replicator._src.patches import registry
 
 # Variables a ParameterServerStrategy creates (round-robin, one replica per
@@ -50,7 +50,7 @@ PATCH = registry.register(
         # The TF Variable class inherits both methods from the common
         # class; uninstalling removes them from it again.
         targets=tuple(
-            registry.Target(tf_core.Variable, name, _atomic(name))
+            registry.Target(keras_src.tf_core.Variable, name, _atomic(name))
             for name in ("assign_add", "assign_sub")
         ),
         applies_to=frozenset({"async"}),

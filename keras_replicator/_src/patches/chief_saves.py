@@ -148,11 +148,25 @@ PATCH = registry.register(
                 "keras.src.saving.saving_lib",
                 (
                     "def save_weights_only(",
-                    'def save_model(model, filepath, weights_format="h5", '
-                    "zipped=True):",
                     "def _save_state(",
                     "weights_store.make(inner_path, metadata=metadata)",
                 ),
+            ),
+            # `_save` passes the arguments after `filepath` on as they
+            # come: Keras 3.16 (nightly builds from 3.16.0.dev) dropped
+            # `weights_format`.
+            registry.Pin(
+                "keras.src.saving.saving_lib",
+                (
+                    'def save_model(model, filepath, weights_format="h5", '
+                    "zipped=True):",
+                ),
+                keras="<3.16.0.dev0",
+            ),
+            registry.Pin(
+                "keras.src.saving.saving_lib",
+                ("def save_model(model, filepath, zipped=True):",),
+                keras=">=3.16.0.dev0",
             ),
             registry.Pin(
                 "keras.src.saving.saving_api",

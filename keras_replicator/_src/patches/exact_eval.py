@@ -26,10 +26,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from keras.src import tree
-from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.losses import loss as loss_module
-from keras.src.trainers import trainer as base_trainer
 
+from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import markers
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
@@ -57,7 +56,7 @@ def _exact_test_step(original, self, data):
         or sample_weight is None
         or tree.is_nested(sample_weight)
         or type(self).compute_metrics
-        is not base_trainer.Trainer.compute_metrics
+        is not keras_src.BaseTrainer.compute_metrics
     ):
         return original(self, data)
     if self._call_has_training_arg:
@@ -122,7 +121,7 @@ PATCH = registry.register(
         name="exact_eval",
         targets=(
             registry.Target(
-                tf_trainer.TensorFlowTrainer, "test_step", _exact_test_step
+                keras_src.TensorFlowTrainer, "test_step", _exact_test_step
             ),
         ),
         applies_to=frozenset({"local", "multi_worker", "tpu"}),
@@ -142,7 +141,7 @@ PATCH = registry.register(
                     "return self.compute_metrics(x, y, y_pred, "
                     "sample_weight=sample_weight)",
                 ),
-                attributes=("TensorFlowTrainer._compute_loss",),
+                attributes=(f"{keras_src.TF_TRAINER}._compute_loss",),
             ),
             # The loss tracker's weight: the batch size, from the first
             # input (that is not None, since Keras 3.12).

@@ -63,6 +63,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from tensorflow.python.distribute import values as values_lib
 
+from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
 
@@ -154,7 +155,7 @@ PATCH = registry.register(
                 tf_trainer, "reduce_per_replica", _packed_reduce_per_replica
             ),
             registry.Target(
-                tf_trainer.TensorFlowTrainer,
+                keras_src.TensorFlowTrainer,
                 "_maybe_symbolic_build",
                 _maybe_symbolic_build,
             ),
@@ -200,7 +201,7 @@ PATCH = registry.register(
                     "self._compile_loss.built",
                     "self.optimizer is not None and not self.optimizer.built",
                 ),
-                attributes=("Trainer._symbolic_build",),
+                attributes=(f"{keras_src.BASE_TRAINER}._symbolic_build",),
             ),
         ),
         delete_when=(

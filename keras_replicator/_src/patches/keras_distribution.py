@@ -29,7 +29,9 @@ before any replicator exists, so no replicator kind installs it):
   `replicator.distribute(...)` data through
   (`Distribution.distribute_dataset`); on Keras 3.10 to 3.14, which cut
   the batches in `DataParallel.distribute_dataset` and
-  `ModelParallel.distribute_dataset`, it replaces those two;
+  `ModelParallel.distribute_dataset`, it replaces those two, and on Keras
+  3.16, which cuts them in the dataset adapter
+  (`TFDatasetAdapter._distribute_dataset`), that one;
 - makes `set_distribution(d)` (which `Distribution.scope()` calls too) also
   make the replicator of `d` the current `tf.distribute` strategy, and
   `set_distribution(None)` drop it. The replicator comes from the factory
@@ -306,6 +308,24 @@ def _distribute_dataset(original, self, dataset):
     return original(self, dataset)
 
 
+def _adapter_distribute_dataset(original, self, dataset, distribution):
+    """`TFDatasetAdapter._distribute_dataset` (Keras 3.16).
+
+    Keras 3.16 (its nightly builds from 3.16.0.dev) cuts the batches by
+    process in the `tf.data` adapter instead of the distribution (its
+    `distribute_dataset` and `distribute_tf_dataset` are gone); this does
+    what `_distribute_dataset` and `_distribute_tf_dataset` do on 3.15.
+    TODO: the only branch when the oldest supported Keras is 3.16.
+    """
+    if _joined() is None or not distribution._is_multi_process:
+        return original(self, dataset, distribution)
+    if isinstance(dataset, tf.distribute.DistributedDataset):
+        return dataset
+    return _cut_by_process(
+        dataset, distribution._num_processes, distribution._process_id
+    )
+
+
 def _to_backend_mesh(original, device_mesh):
     return device_mesh
 
@@ -368,7 +388,8 @@ if versions.keras_before("3.15"):
             distribution_lib.ModelParallel,
         )
     )
-else:
+elif versions.keras_before("3.16.0.dev0"):
+    # Keras 3.15: `Distribution.distribute_dataset` cuts the dataset.
     _DATASET_TARGETS = (
         registry.Target(
             distribution_lib.Distribution,
@@ -379,6 +400,18 @@ else:
             distribution_lib.Distribution,
             "distribute_tf_dataset",
             _distribute_tf_dataset,
+        ),
+    )
+else:
+    # Keras 3.16 (nightly builds from 3.16.0.dev): the `tf.data` adapter
+    # cuts it.
+    from keras.src.trainers.data_adapters import tf_dataset_adapter
+
+    _DATASET_TARGETS = (
+        registry.Target(
+            tf_dataset_adapter.TFDatasetAdapter,
+            "_distribute_dataset",
+            _adapter_distribute_dataset,
         ),
     )
 
@@ -423,10 +456,27 @@ PATCH = registry.register(
                 "keras.src.distribution.distribution_lib",
                 (
                     "self._num_processes = distribution_lib.num_processes()",
+                    "self._process_id = distribution_lib.process_id()",
+                ),
+                keras=">=3.15",
+            ),
+            registry.Pin(
+                "keras.src.distribution.distribution_lib",
+                (
                     "return self.distribute_tf_dataset(dataset)",
                     "def distribute_tf_dataset(self, dataset):",
                 ),
-                keras=">=3.15",
+                keras=">=3.15,<3.16.0.dev0",
+            ),
+            registry.Pin(
+                "keras.src.trainers.data_adapters.tf_dataset_adapter",
+                (
+                    "if distribution is not None and "
+                    "distribution.auto_shard_dataset:",
+                    "dataset = self._distribute_dataset(dataset, distribution)",
+                    "def _distribute_dataset(self, dataset, distribution):",
+                ),
+                keras=">=3.16.0.dev0",
             ),
             registry.Pin(
                 "keras.src.distribution.distribution_lib",

@@ -64,8 +64,8 @@ import functools
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as tf_trainer
 
+from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
@@ -249,7 +249,7 @@ PATCH = registry.register(
         name="per_replica_jit",
         targets=(
             registry.Target(
-                tf_trainer.TensorFlowTrainer, "_make_function", _make_function
+                keras_src.TensorFlowTrainer, "_make_function", _make_function
             ),
         ),
         applies_to=frozenset({"local", "multi_worker"}),

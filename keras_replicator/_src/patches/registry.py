@@ -27,6 +27,10 @@ Every other target, and every attribute a pin of the installed releases
 names, must exist: `register` (at import) and `install` raise the
 `ImportError` of an unsupported version (`core/versions.py`) naming the
 missing attribute, instead of an `AttributeError` deep inside `fit`.
+Under a TensorFlow or Keras newer than the supported range, `check_pins`
+(once every patch has registered) also compares every pin's lines with the
+installed source, which `tests/test_patches.py` does for the supported
+releases.
 
 Each attribute has exactly one owner: registering a second patch for the
 same attribute raises. Two behaviours on one method are composed inside
@@ -41,8 +45,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
+import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterable
 from typing import Any
@@ -246,6 +253,85 @@ def original(owner: Any, name: str) -> Any:
     return getattr(owner, name)
 
 
+def check_pins(
+    found: dict[str, str] | None = None,
+    checked: Iterable[Patch] | None = None,
+) -> None:
+    """Accepts a newer TensorFlow or Keras only if every patch pin holds.
+
+    Does nothing for supported releases (their pins are tested). For a
+    release newer than the supported range (`versions.newer`), every pin
+    that describes it must find its lines and attributes in the installed
+    code: the patches then mirror it as they did the last tested release,
+    and one `UntestedReleaseWarning` says so.
+
+    Args:
+        found: `{"tensorflow": version, "keras": version}`; defaults to
+            the versions this process imports.
+        checked: The patches whose pins are compared; defaults to every
+            registered patch.
+
+    Raises:
+        ImportError: Naming the release, the patch and what its pin no
+            longer finds, if a pin fails.
+    """
+    above = versions.newer(found)
+    if not above:
+        return
+    release = " and ".join(above)
+    verb = "is" if len(above) == 1 else "are"
+    for patch in patches() if checked is None else checked:
+        for pin in patch.pins:
+            if not pin.applies():
+                continue
+            module = importlib.import_module(pin.module)
+            source = inspect.getsource(module)
+            gone = [line for line in pin.lines if line not in source]
+            gone += [
+                f"attribute {dotted}"
+                for dotted in pin.attributes
+                if _resolve(module, dotted) is _MISSING
+            ]
+            if gone:
+                raise versions.unsupported(
+                    f"{release} {verb} newer than the supported releases, "
+                    f"and patch {patch.name!r} pins code {pin.module} no "
+                    f"longer has: {gone}.",
+                    found,
+                )
+    warnings.warn(
+        f"{release} {verb} newer than keras-replicator's tested releases; "
+        "every patch pin holds, so it runs untested.",
+        versions.UntestedReleaseWarning,
+        stacklevel=_importer_stacklevel(),
+    )
+
+
+def _importer_stacklevel() -> int:
+    # The `stacklevel` of the first frame outside this package and the
+    # import machinery: the user's `import keras_replicator`. `warnings`
+    # does not count the import machinery's frames.
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("importlib._bootstrap"):
+            frame = frame.f_back
+            continue
+        if not name.startswith("keras_replicator"):
+            break
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _resolve(module, dotted: str) -> Any:
+    owner = module
+    for part in dotted.split("."):
+        owner = getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            break
+    return owner
+
+
 def _bind(function, original):
     if isinstance(original, property):
         getter = original.fget
@@ -273,11 +359,8 @@ def _check_hooks(patch: Patch) -> None:
             continue
         module = importlib.import_module(pin.module)
         for dotted in pin.attributes:
-            owner = module
-            for part in dotted.split("."):
-                owner = getattr(owner, part, _MISSING)
-                if owner is _MISSING:
-                    raise _missing(patch, f"{pin.module}.{dotted}")
+            if _resolve(module, dotted) is _MISSING:
+                raise _missing(patch, f"{pin.module}.{dotted}")
 
 
 def _check_targets(patch: Patch) -> None:
@@ -291,6 +374,14 @@ def _check_targets(patch: Patch) -> None:
 
 
 def _missing(patch: Patch, dotted: str) -> ImportError:
+    above = versions.newer()
+    if above:
+        verb = "is" if len(above) == 1 else "are"
+        return versions.unsupported(
+            f"{' and '.join(above)} {verb} newer than the supported "
+            f"releases, and patch {patch.name!r} needs `{dotted}`, which "
+            "it lacks."
+        )
     return versions.unsupported(
         f"Patch {patch.name!r} needs `{dotted}`, which the installed Keras "
         "or TensorFlow lacks."

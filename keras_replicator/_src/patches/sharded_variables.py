@@ -44,14 +44,13 @@ import threading
 import h5py
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
-from keras.src.backend.tensorflow import core as tf_core
-from keras.src.backend.tensorflow import numpy as tf_numpy
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.distribution import distribution_lib
 from keras.src.optimizers import base_optimizer
 from keras.src.saving import saving_lib
 
 from keras_replicator._src import collectives
+from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
@@ -360,7 +359,7 @@ def _clip_to(g, l2sum, clip_norm):
     return clipped
 
 
-_Variable = tf_core.Variable
+_Variable = keras_src.tf_core.Variable
 _Base = base_optimizer.BaseOptimizer
 # Keras 3.10 to 3.14: a variable keeps the `layout` it is created with.
 # TODO: delete when the oldest supported Keras is 3.15.
@@ -414,10 +413,10 @@ PATCH = registry.register(
             ),
             registry.Target(_Variable, "value", _value),
             registry.Target(_Variable, "handle", _handle),
-            registry.Target(tf_numpy, "matmul", _matmul),
-            registry.Target(tf_numpy, "einsum", _einsum),
-            registry.Target(tf_numpy, "transpose", _transpose),
-            registry.Target(tf_numpy, "take", _take),
+            registry.Target(keras_src.tf_numpy, "matmul", _matmul),
+            registry.Target(keras_src.tf_numpy, "einsum", _einsum),
+            registry.Target(keras_src.tf_numpy, "transpose", _transpose),
+            registry.Target(keras_src.tf_numpy, "take", _take),
             registry.Target(_Variable, "_direct_assign", _direct_assign),
             registry.Target(_Variable, "assign", _assign),
             registry.Target(_Variable, "_shared_name", _shared_name),
@@ -451,7 +450,7 @@ PATCH = registry.register(
                 ("self._h5_entry_group = {}",),
             ),
             registry.Pin(
-                "keras.src.backend.tensorflow.core",
+                f"{keras_src.TF_OPS}.core",
                 (
                     "def _initialize(self, value):",
                     "self._initialize(lambda: initializer(self._shape, "

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import inspect
 
-from keras.src.backend.tensorflow import trainer as tf_trainer
-
+from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
 from keras_replicator._src.layers import cross_replica_batch_norm
@@ -130,7 +129,7 @@ def _dispatch(name):
     return method
 
 
-_Trainer = tf_trainer.TensorFlowTrainer
+_Trainer = keras_src.TensorFlowTrainer
 
 PATCH = registry.register(
     registry.Patch(
