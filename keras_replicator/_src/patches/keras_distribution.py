@@ -322,7 +322,10 @@ def _adapter_distribute_dataset(original, self, dataset, distribution):
     if isinstance(dataset, tf.distribute.DistributedDataset):
         return dataset
     return _cut_by_process(
-        dataset, distribution._num_processes, distribution._process_id
+        dataset,
+        distribution._num_processes,
+        distribution._process_id,
+        _joined().replicas_per_worker,
     )
 
 
