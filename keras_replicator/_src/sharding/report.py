@@ -24,6 +24,7 @@ import keras
 import numpy as np
 
 from keras_replicator._src.core import placements
+from keras_replicator._src.sharding import auto_layout
 
 # Variables above this many bytes that no key matches are warned about.
 LARGE_BYTES = 1 << 20
@@ -33,7 +34,11 @@ _warned: weakref.WeakSet = weakref.WeakSet()
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One variable: its path, full shape, the key it matched, its block."""
+    """One variable: its path, full shape, the key it matched, its block.
+
+    `rule`: under `kr.auto_layout_map`, for a variable no key matched, the
+    rule that split it or why it is whole (`auto_layout.Decision`).
+    """
 
     path: str
     shape: tuple[int, ...]
@@ -41,6 +46,7 @@ class Row:
     block: tuple[int, ...]
     bytes_per_device: int
     optimizer: bool
+    rule: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +80,7 @@ class LayoutReport:
         for r in self.rows:
             lines.append(
                 f"{r.path:<{width}}  {str(r.shape):<16} "
-                f"{str(r.key or '-'):<20} {str(r.block):<16} "
+                f"{str(r.key or r.rule or '-'):<20} {str(r.block):<16} "
                 f"{r.bytes_per_device:>12,}"
             )
         lines.append(
@@ -112,13 +118,16 @@ def _row(variable, layout_map, optimizer: bool) -> Row:
     shape = tuple(int(d) for d in variable.shape)
     placement = placements.of(variable)
     block = placement.local_shape if placement is not None else shape
+    key = matched_key(layout_map, variable.path)
+    decision = auto_layout.decision(layout_map, variable.path)
     return Row(
         path=variable.path,
         shape=shape,
-        key=matched_key(layout_map, variable.path),
+        key=key,
         block=tuple(block),
         bytes_per_device=_nbytes(block, variable),
         optimizer=optimizer,
+        rule=str(decision) if key is None and decision is not None else None,
     )
 
 
