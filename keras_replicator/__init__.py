@@ -52,6 +52,7 @@ else:
         MultiWorkerReplicator,
     )
     from keras_replicator._src.replicators.tpu import TpuReplicator
+    from keras_replicator._src.sharding.auto_layout import auto_layout_map
     from keras_replicator._src.sharding.checkpoint import (
         load as load_checkpoint,
     )
@@ -84,6 +85,7 @@ __all__ = (
     "all_reduce",
     "all_sum",
     "auto",
+    "auto_layout_map",
     "broadcast",
     "callbacks",
     "configure_cpu_replicas",

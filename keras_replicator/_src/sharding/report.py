@@ -24,6 +24,7 @@ import keras
 import numpy as np
 
 from keras_replicator._src.core import placements
+from keras_replicator._src.sharding import auto_layout
 
 # Variables above this many bytes that no key matches are warned about.
 LARGE_BYTES = 1 << 20
@@ -37,6 +38,8 @@ class Row:
 
     An optimizer slot (Adam's moments, say) is laid out as the model
     variable it was made from: its `key` is that variable's key.
+    `rule`: under `kr.auto_layout_map`, for a variable no key matched, the
+    rule that split it or why it is whole (`auto_layout.Decision`).
     """
 
     path: str
@@ -45,6 +48,7 @@ class Row:
     block: tuple[int, ...]
     bytes_per_device: int
     optimizer: bool
+    rule: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,7 @@ class LayoutReport:
             (
                 r.path,
                 str(r.shape),
-                r.key or "-",
+                r.key or r.rule or "-",
                 str(r.block),
                 f"{r.bytes_per_device:,}",
             )
@@ -147,10 +151,12 @@ def _row(variable, layout_map, optimizer: bool, weights=()) -> Row:
     placement = placements.of(variable)
     block = placement.local_shape if placement is not None else shape
     key = matched_key(layout_map, variable.path)
+    decision = auto_layout.decision(layout_map, variable.path)
     if key is None and optimizer:
         reference = _reference(variable, weights)
         if reference is not None:
             key = matched_key(layout_map, reference.path)
+            decision = auto_layout.decision(layout_map, reference.path)
     return Row(
         path=variable.path,
         shape=shape,
@@ -158,6 +164,7 @@ def _row(variable, layout_map, optimizer: bool, weights=()) -> Row:
         block=tuple(block),
         bytes_per_device=_nbytes(block, variable),
         optimizer=optimizer,
+        rule=str(decision) if key is None and decision is not None else None,
     )
 
 

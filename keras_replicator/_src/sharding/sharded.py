@@ -45,6 +45,7 @@ from tensorflow.python.eager import context
 from keras_replicator._src import collectives
 from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
+from keras_replicator._src.sharding import auto_layout
 from keras_replicator._src.sharding import block_draw
 from keras_replicator._src.sharding import layout as layout_lib
 
@@ -64,7 +65,10 @@ def sharding_strategy(variable: Any, shape) -> tuple[Any, Any, Any]:
     distribution = getattr(strategy, placements.DISTRIBUTION_ATTR, None)
     if not isinstance(distribution, distribution_lib.ModelParallel):
         return None, None, None
-    layout = distribution.get_variable_layout(variable)
+    # An `auto_layout_map` lays out, by its shape and layer, the variable
+    # Keras asks it for by path.
+    with auto_layout.laying_out(variable, shape):
+        layout = distribution.get_variable_layout(variable)
     if layout is None or all(a is None for a in layout.axes):
         return None, None, None
     placement = layout_lib.placement(
