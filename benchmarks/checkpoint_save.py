@@ -21,9 +21,10 @@ once, with the process's peak RSS during it above the RSS before it
 
 `--backups`: `fit` of `--backup-steps` steps with
 `BackupAndRestore(save_freq=3)` against the same `fit` without backups,
-alternating `--rounds` pairs, on N processes (the 26M-parameter MLP is
-`--width 2048 --layers 6`), and the bytes each process wrote against a
-whole `.weights.h5` of the model.
+alternating `--rounds` pairs, on N processes (the 26.2M-parameter MLP
+the 1.25x target is set on is `--width 2560 --layers 4`; the 25.2M one of
+the earlier runs `--width 2048 --layers 6`), and the bytes each process
+wrote against a whole `.weights.h5` of the model.
 """
 
 import argparse
