@@ -127,3 +127,19 @@ def model_parallel(shape, layouts, axes=("batch", "model")):
     return keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name=axes[0]
     )
+
+
+def tf_functions_started():
+    """How many `tf.function`s this process has called a first time.
+
+    TensorFlow's own counter (`/tensorflow/core/tf_function_counter`), by
+    which a `tf.function` made anew at every call shows: each one adds 1
+    and traces. (A function's later traces show in its
+    `experimental_get_tracing_count()`.)
+    """
+    from tensorflow.python.eager.polymorphic_function import (
+        polymorphic_function,
+    )
+
+    counter = polymorphic_function._tf_function_counter
+    return sum(counter.get_cell(jit).value() for jit in ("0", "1"))

@@ -194,6 +194,20 @@ def test_checkpoint_holds_full_state(tmp_path):
     )
 
 
+def test_save_and_load_trace_nothing_again(tmp_path):
+    model = _train(_sharded(4), OPTIMIZERS["adam"], epochs=1)
+    path = str(tmp_path / "m.weights.h5")
+
+    def one_round():
+        model.save_weights(path)
+        model.load_weights(path)
+        return helpers.tf_functions_started()
+
+    first = one_round()
+    assert one_round() == first
+    assert one_round() == first
+
+
 @pytest.mark.parametrize(
     "first, second",
     [((4, True), (2, False)), ((2, False), (4, True))],

@@ -143,6 +143,9 @@ def test_a_model_axis_across_workers_matches_one_device(workers, reference):
             v for k, v in got["shard_shapes"].items() if k.endswith("d1/kernel")
         )
         assert kernel == {d: [12, 4] for d in DEVICES}
+        # Reading sharded values again (`save_weights`, `get_weights`)
+        # traces nothing new.
+        assert got["functions_started_by_reads"] == 0
 
 
 @pytest.mark.multi_worker

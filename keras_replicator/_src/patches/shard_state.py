@@ -405,17 +405,46 @@ def _assign_own_copy(ctx, variable, value):
 
 def _gather_full(strategy, variable, shape, size):
     """The full value of a sharded variable, on every worker (a collective)."""
-
-    def replica_fn():
-        ctx = tf.distribute.get_replica_context()
-        return collectives.all_gather_equal(
-            ctx, tf.convert_to_tensor(variable.value)
+    components = variable.value.values
+    first = _first_local_replica(strategy)
+    shards = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.convert_to_tensor(
+            components[ctx.replica_id_in_sync_group - first]
         )
-
-    # `run` in a tf.function: the gather is one collective per variable.
-    gathered = tf.function(lambda: strategy.run(replica_fn))()
+    )
+    gathered = _gather_function(strategy)(shards)
     flat = strategy.experimental_local_results(gathered)[0].numpy()
     return flat[:size].reshape(shape)
+
+
+def _first_local_replica(strategy):
+    local = len(strategy.extended.worker_devices)
+    return getattr(strategy.extended, "_id_in_cluster", 0) * local
+
+
+def _gather_function(strategy):
+    """The gather of shards as one `tf.function` per strategy, kept on it.
+
+    A new `tf.function` per call traced again for every slot at every
+    save. The shards' values (not the variable, which a trace would
+    capture) are its argument, so slots of one shape and dtype share a
+    trace. It closes over the strategy, so it is kept on it, not in a
+    module's cache that would keep alive every replicator a notebook
+    builds.
+    """
+    gather = getattr(strategy, "_keras_replicator_gather_shards", None)
+    if gather is None:
+
+        def replica_fn(shard):
+            ctx = tf.distribute.get_replica_context()
+            return collectives.all_gather_equal(ctx, shard)
+
+        # `run` in a tf.function: the gather is one collective per variable.
+        gather = tf.function(
+            lambda shards: strategy.run(replica_fn, args=(shards,))
+        )
+        strategy._keras_replicator_gather_shards = gather
+    return gather
 
 
 def _scatter_full(strategy, variable, value, size):
@@ -424,15 +453,11 @@ def _scatter_full(strategy, variable, value, size):
     n = strategy.num_replicas_in_sync
     flat = np.zeros(k * n, value.dtype)
     flat[:size] = value.reshape(-1)
-    flat = tf.constant(flat)
-
-    def replica_fn():
-        ctx = tf.distribute.get_replica_context()
-        start = ctx.replica_id_in_sync_group * k
-        # In replica context a SyncOnRead variable assigns its own copy.
-        variable.value.assign(tf.slice(flat, [start], [k]))
-
-    tf.function(lambda: strategy.run(replica_fn))()
+    # Eagerly, component by component: nothing to trace.
+    first = _first_local_replica(strategy)
+    for i, component in enumerate(variable.value.values):
+        start = (first + i) * k
+        component.assign(flat[start : start + k])
 
 
 def _save_own_variables(original, self, store):

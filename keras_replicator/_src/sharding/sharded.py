@@ -31,6 +31,7 @@ every process do), and an assignment writes the local blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable
@@ -339,15 +340,62 @@ def wait_for_processes(
 
 def _gather_blocks(strategy, stored, placement) -> tf.Tensor:
     """Every replica's block, all-gathered over the processes, assembled."""
-
-    def replica_fn():
-        local = tf.convert_to_tensor(stored._get_on_device_or_primary())
-        return all_blocks(tf.distribute.get_replica_context(), local, placement)
-
-    # In a tf.function: one collective, issued by every replica.
+    blocks = _local_blocks(strategy, stored)
     return strategy.experimental_local_results(
-        tf.function(lambda: strategy.run(replica_fn))()
+        _gather_function(strategy, placement, stored.dtype)(blocks)
     )[0]
+
+
+def _local_blocks(strategy, stored) -> Any:
+    """This process's components of `stored`, read, as a `PerReplica`.
+
+    A value, not the variable, is what a cached `tf.function` may take: a
+    distributed variable given as an argument is captured by its first
+    trace, and a later call with another variable of the same shape would
+    read the first one.
+    """
+    first = local_replicas(strategy)[0]
+    components = stored.values
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.convert_to_tensor(
+            components[ctx.replica_id_in_sync_group - first]
+        )
+    )
+
+
+# The strategy's attribute: {(placement without its path, dtype): its
+# gather function}. The functions close over the strategy: in a module's
+# cache keyed by it they would keep alive every replicator a notebook ever
+# built; on it, they go with it.
+_GATHERS_ATTR = "_keras_replicator_gathers"
+
+
+def _gather_function(strategy, placement, dtype):
+    """One `tf.function` per strategy and signature, traced once.
+
+    A new `tf.function` per read traced the gather again at every read of
+    every variable (`save_weights` read each one anew). The blocks are an
+    argument, so every variable of one placement and dtype shares one
+    trace.
+    """
+    gathers = getattr(strategy, _GATHERS_ATTR, None)
+    if gathers is None:
+        gathers = {}
+        setattr(strategy, _GATHERS_ATTR, gathers)
+    # The path names the variable in messages only: not in the key.
+    shape_of = dataclasses.replace(placement, path="")
+    key = (shape_of, dtype)
+    if key not in gathers:
+
+        def replica_fn(local):
+            ctx = tf.distribute.get_replica_context()
+            return all_blocks(ctx, local, shape_of)
+
+        # `run` in a tf.function: one collective, issued by every replica.
+        gathers[key] = tf.function(
+            lambda blocks: strategy.run(replica_fn, args=(blocks,))
+        )
+    return gathers[key]
 
 
 # Datasets smaller than this are read whole: mapping them saves nothing.

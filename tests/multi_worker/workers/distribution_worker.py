@@ -18,6 +18,7 @@ launched by test_distribution_gemma.py.
 import json
 import os
 import sys
+import tempfile
 
 import keras
 import numpy as np
@@ -26,6 +27,7 @@ from keras.src.backend.tensorflow import distribution_lib
 
 import keras_replicator as kr
 from keras_replicator._src.patches import registry
+from tests import helpers
 from tests.multi_worker import distribution_reference as reference
 from tests.multi_worker import harness
 
@@ -91,6 +93,17 @@ for kind in ("model_across", "sharder", "unknown_length"):
         # A multi-worker replicator's features, installed for it.
         "patches": list(registry.installed()),
     }
+    if kind == "model_across":
+        # Host reads all-gather every sharded value over the processes:
+        # after the first, the gathers' functions are traced already.
+        started = helpers.tf_functions_started()
+        with tempfile.TemporaryDirectory() as folder:
+            for _ in range(2):
+                model.save_weights(os.path.join(folder, "m.weights.h5"))
+                model.get_weights()
+        report[kind]["functions_started_by_reads"] = (
+            helpers.tf_functions_started() - started
+        )
 # Dropout masks and BatchNormalization's moments over the global batch,
 # across the processes.
 keras.distribution.set_distribution(reference.distribution("model_parallel"))

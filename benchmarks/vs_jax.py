@@ -1,0 +1,255 @@
+"""One Keras script, side by side: this project (TensorFlow) and Keras on JAX.
+
+The model: an MLP of four Dense(2048) layers on 2048 inputs (16.8M
+parameters), Adam, global batch 64, on 4 CPU devices of one process
+(`kr.configure_cpu_replicas(4)` here, `XLA_FLAGS=
+--xla_force_host_platform_device_count=4` on JAX). Cases:
+
+- `one_device`: no distribution;
+- `data_parallel`: `keras.distribution.DataParallel` on the 4 devices;
+- `model_parallel`: `keras.distribution.ModelParallel` on a 1x4 mesh,
+  every kernel laid out `(None, "model")`.
+
+Each (case, backend) runs in its own process, the same script under
+`KERAS_BACKEND=tensorflow` and `KERAS_BACKEND=jax`; the backends alternate
+(which goes first swaps every round), `--rounds` times. Prints each one's
+median seconds per step (the first step, which traces and compiles, is not
+timed), ours / JAX per case, and ModelParallel / one device per backend.
+
+JAX comes with the `bench` extra (`pip install "keras-replicator[bench]"`),
+or from another environment with Keras and JAX (`--jax-python`). Where it
+is missing, the benchmark says so and runs our side alone.
+
+    python benchmarks/vs_jax.py [--rounds 3] [--steps 12] [--jax-python PY]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import label  # noqa: E402
+
+CASES = ("one_device", "data_parallel", "model_parallel")
+BACKENDS = ("tensorflow", "jax")
+WIDTH = 2048
+GLOBAL_BATCH = 64
+DEVICES = 4
+
+
+def _worker(args):
+    """One case on one backend in this process; prints a JSON line."""
+    import time
+
+    if args.backend == "tensorflow":
+        import keras_replicator as kr
+
+        kr.configure_cpu_replicas(DEVICES)
+    import keras
+    import numpy as np
+
+    if args.case != "one_device":
+        keras.distribution.set_distribution(_distribution(args.case))
+    rng = np.random.default_rng(0)
+    rows = GLOBAL_BATCH * args.steps
+    x = rng.normal(size=(rows, WIDTH)).astype("float32")
+    y = rng.normal(size=(rows, WIDTH)).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((WIDTH,)),
+            *(
+                keras.layers.Dense(
+                    WIDTH, activation="relu" if i < 3 else None, name=f"d{i}"
+                )
+                for i in range(4)
+            ),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    ends = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            # Reading the loss waits for the step: JAX dispatches ahead.
+            float(logs["loss"])
+            ends.append(time.perf_counter())
+
+    model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Clock()],
+    )
+    # The median of the intervals between step ends.
+    seconds = statistics.median(
+        b - a for a, b in zip(ends[:-1], ends[1:], strict=True)
+    )
+    print(json.dumps({"seconds_per_step": seconds}))
+
+
+def _distribution(case):
+    import keras
+
+    devices = keras.distribution.list_devices()[:DEVICES]
+    if case == "data_parallel":
+        return keras.distribution.DataParallel(devices=devices)
+    mesh = keras.distribution.DeviceMesh(
+        (1, DEVICES), ("batch", "model"), devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    # Sequential paths: "sequential/d0/kernel".
+    layout_map[r".*/d\d/kernel"] = (None, "model")
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+def _environment(backend):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    if backend == "jax":
+        env["XLA_FLAGS"] = " ".join(
+            [
+                env.get("XLA_FLAGS", ""),
+                f"--xla_force_host_platform_device_count={DEVICES}",
+            ]
+        ).strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _run(python, backend, case, steps):
+    command = [
+        python,
+        os.path.abspath(__file__),
+        "--worker",
+        f"--backend={backend}",
+        f"--case={case}",
+        f"--steps={steps}",
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=_environment(backend),
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{backend} {case} failed (exit {result.returncode}):\n"
+            f"{result.stderr[-4000:]}"
+        )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _jax_missing(python):
+    """Why `python` cannot run Keras on JAX, or None if it can."""
+    probe = subprocess.run(
+        [python, "-c", "import jax, keras; print(jax.__version__)"],
+        capture_output=True,
+        text=True,
+        env=_environment("jax"),
+        check=False,
+    )
+    if probe.returncode == 0:
+        return None
+    lines = probe.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit {probe.returncode}"
+
+
+def _versions(python, backend):
+    module = "tensorflow" if backend == "tensorflow" else "jax"
+    code = (
+        f"import keras, {module}; "
+        f"print(keras.__version__, {module}.__version__)"
+    )
+    out = subprocess.run(
+        [python, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_environment(backend),
+        check=True,
+    )
+    keras_version, version = out.stdout.split()
+    return f"Keras {keras_version}, {module} {version}"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--jax-python",
+        default=sys.executable,
+        help="A Python with Keras and jax[cpu] (default: this one).",
+    )
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--backend", choices=BACKENDS)
+    parser.add_argument("--case", choices=CASES)
+    args = parser.parse_args()
+    if args.worker:
+        return _worker(args)
+    cases = args.cases.split(",")
+    pythons = {"tensorflow": sys.executable, "jax": args.jax_python}
+    missing = _jax_missing(args.jax_python)
+    backends = list(BACKENDS)
+    print(label())
+    print(f"ours: {_versions(sys.executable, 'tensorflow')}")
+    if missing:
+        print(
+            f"JAX is missing ({missing}): install the `bench` extra "
+            '(pip install "keras-replicator[bench]") or pass --jax-python. '
+            "Running our side alone."
+        )
+        backends.remove("jax")
+    else:
+        print(f"anchor: {_versions(args.jax_python, 'jax')}")
+    print(
+        f"MLP 4 x Dense({WIDTH}), Adam, global batch {GLOBAL_BATCH}, "
+        f"{DEVICES} CPU devices, {args.steps} steps, median of "
+        f"{args.rounds} alternating rounds (s/step)"
+    )
+    times = {(b, c): [] for b in backends for c in cases}
+    for i in range(args.rounds):
+        # Swap which backend goes first, so drift favours neither.
+        order = backends if i % 2 == 0 else backends[::-1]
+        for case in cases:
+            for backend in order:
+                result = _run(pythons[backend], backend, case, args.steps)
+                times[backend, case].append(result["seconds_per_step"])
+                print(
+                    f"  round {i + 1} {case:<15} {backend:<10} "
+                    f"{result['seconds_per_step']:.3f}",
+                    flush=True,
+                )
+    median = {key: statistics.median(v) for key, v in times.items()}
+    header = f"{'case':<16} {'ours':>8}"
+    if "jax" in backends:
+        header += f" {'JAX':>8} {'ours/JAX':>9}"
+    print(header)
+    for case in cases:
+        row = f"{case:<16} {median['tensorflow', case]:8.3f}"
+        if "jax" in backends:
+            jax = median["jax", case]
+            row += f" {jax:8.3f} {median['tensorflow', case] / jax:9.2f}"
+        print(row)
+    if {"one_device", "model_parallel"} <= set(cases):
+        for backend in backends:
+            ratio = (
+                median[backend, "model_parallel"]
+                / median[backend, "one_device"]
+            )
+            print(f"ModelParallel / one device, {backend}: {ratio:.2f}")
+    return None
+
+
+if __name__ == "__main__":
+    main()
