@@ -27,7 +27,7 @@ from _common import paired_ratios  # noqa: E402
 from _common import summary  # noqa: E402
 from _common import timed  # noqa: E402
 
-from keras_replicator._src import demo  # noqa: E402
+from keras_replicator._src.cli import demo  # noqa: E402
 
 
 def make_runner(strategy, x, y, batch):

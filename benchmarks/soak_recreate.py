@@ -43,7 +43,7 @@ def _command(folder: str) -> list[str]:
     launcher = (
         [str(cli)]
         if cli.exists()
-        else [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
+        else [sys.executable, "-m", "keras_replicator._src.cli.main"]
     )
     return [
         *launcher,

@@ -54,7 +54,7 @@ def main():
     # kr.layers.CrossReplicaBatchNormalization, and the digits split 80/20.
     import keras
 
-    from keras_replicator._src import demo
+    from keras_replicator._src.cli import demo
 
     keras.utils.set_random_seed(0)
     (x_train, y_train), (x_test, y_test) = demo.load_digits_split()

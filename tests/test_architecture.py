@@ -9,7 +9,8 @@
   (`from keras_replicator._src.patches import replica_mean` first runs
   `patches/__init__.py`, which imports every patch); patches never import
   replicators.
-- No two folders of `_src` import each other, and the sharding mechanics
+- No two folders of `_src` import each other, none imports the command line
+  (`cli/`, on top), and the sharding mechanics
   import neither the patches, the replicators nor the `distribution/` front
   door above them.
 """
@@ -211,11 +212,17 @@ def _folder_edges():
     return edges
 
 
-# The one pair left: the command line and the launcher start replicators
-# (`kr.auto()` for `env`, parameter servers for `launch`), and replicators
-# read cluster specs. Both directions are imports inside functions of the
-# command's own modules; no other pair may join it.
-KNOWN_MUTUAL = [("cluster", "replicators")]
+# None: the command line (`cli/`), which starts replicators (`kr.auto()`
+# for `env`, a LocalReplicator for `demo`), sits on top, and the launcher
+# (`cluster/`) starts parameter servers by name, importing no replicator.
+KNOWN_MUTUAL = []
+
+
+def test_the_command_line_sits_on_top():
+    below = sorted(
+        (a, b) for a, b in _folder_edges() if b == "cli" and a != "cli"
+    )
+    assert not below, f"folders that import the command line: {below}"
 
 
 def test_no_two_folders_import_each_other():

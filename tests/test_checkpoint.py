@@ -473,7 +473,7 @@ def test_the_command_round_trips_a_keras_hub_gemma_checkpoint(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "keras_replicator._src.cluster.cli",
+                "keras_replicator._src.cli.main",
                 "checkpoint",
                 *args,
                 f"--model={GEMMA}:build_model",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from keras_replicator._src.cluster import cli
+from keras_replicator._src.cli import main as cli
 from keras_replicator._src.cluster import tf_logs
 from keras_replicator._src.core import devices
 from tests.multi_worker import harness
@@ -37,7 +37,7 @@ HELP = (
 def _run(*args, timeout=300, env=None):
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     return subprocess.run(
-        [sys.executable, "-m", "keras_replicator._src.cluster.cli", *args],
+        [sys.executable, "-m", "keras_replicator._src.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -163,7 +163,7 @@ def test_the_commands_process_loads_the_package_on_first_use():
         "import sys\n"
         "sys.argv[0] = '/some/venv/bin/keras-replicator'\n"
         "import keras_replicator as kr\n"
-        "from keras_replicator._src.cluster import cli\n"
+        "from keras_replicator._src.cli import main as cli\n"
         "assert 'tensorflow' not in sys.modules\n"
         "from keras_replicator import LocalReplicator\n"
         "assert 'tensorflow' in sys.modules\n"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import keras_replicator as kr
-from keras_replicator._src.cluster import cli
+from keras_replicator._src.cli import main as cli
 from keras_replicator._src.cluster import config as cluster
 from keras_replicator._src.replicators import auto
 

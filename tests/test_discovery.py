@@ -178,7 +178,7 @@ def test_env_command_shows_the_slurm_launcher_and_cluster():
     }
     env.update(SLURM_1_NODE_4_TASKS, TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
-        [sys.executable, "-m", "keras_replicator._src.cluster.cli", "env"],
+        [sys.executable, "-m", "keras_replicator._src.cli.main", "env"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from keras_replicator._src.cluster import cli
+from keras_replicator._src.cli import main as cli
 from keras_replicator._src.cluster import launch
 from tests.multi_worker import harness
 
@@ -89,7 +89,7 @@ def test_ctrl_c_ends_every_worker(tmp_path):
         [
             sys.executable,
             "-m",
-            "keras_replicator._src.cluster.cli",
+            "keras_replicator._src.cli.main",
             "launch",
             "--workers",
             "2",
@@ -384,7 +384,7 @@ def test_cli_fails_on_a_missing_script_before_any_worker(tmp_path):
         [
             sys.executable,
             "-m",
-            "keras_replicator._src.cluster.cli",
+            "keras_replicator._src.cli.main",
             "launch",
             "--workers",
             "2",

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from keras_replicator._src.cluster import cli
+from keras_replicator._src.cli import main as cli
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import layout
 from keras_replicator._src.core import env

@@ -34,7 +34,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "keras_replicator"
-ENTRY_POINT = "keras-replicator = keras_replicator._src.cluster.cli:main"
+ENTRY_POINT = "keras-replicator = keras_replicator._src.cli.main:main"
 # Folders of the checkout that must not be installed.
 NOT_SHIPPED = ("tests", "notebooks", "examples", "benchmarks", "docs")
 

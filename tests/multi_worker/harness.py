@@ -304,7 +304,7 @@ def command_line() -> list[str]:
     script_path = Path(sys.executable).parent / "keras-replicator"
     if script_path.exists():
         return [str(script_path)]
-    return [sys.executable, "-m", "keras_replicator._src.cluster.cli"]
+    return [sys.executable, "-m", "keras_replicator._src.cli.main"]
 
 
 def launch_command(

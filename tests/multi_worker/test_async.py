@@ -25,7 +25,7 @@ _MODEL = """
 import os, signal, time
 import keras, numpy as np, tensorflow as tf
 import keras_replicator as kr
-from keras_replicator._src import demo
+from keras_replicator._src.cli import demo
 from tests.multi_worker import async_cluster, harness
 
 (x_train, y_train), (x_test, y_test) = demo.load_digits_split()
@@ -254,7 +254,7 @@ def test_launch_with_ps_runs_the_command_on_the_chief():
     command = [
         sys.executable,
         "-c",
-        "from keras_replicator._src.cluster import cli; "
+        "from keras_replicator._src.cli import main as cli; "
         "raise SystemExit(cli.main())",
         "launch",
         "--workers",

@@ -100,7 +100,7 @@ def test_the_mpi_script_contains_no_cluster_code():
 @pytest.mark.timeout(200)
 def test_env_under_mpiexec_shows_the_mpi_cluster():
     result = _mpiexec(
-        "-m", "keras_replicator._src.cluster.cli", "env", timeout=150
+        "-m", "keras_replicator._src.cli.main", "env", timeout=150
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):

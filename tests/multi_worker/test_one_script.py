@@ -29,7 +29,7 @@ def _one_device_weights():
     import keras
     import tensorflow as tf
 
-    from keras_replicator._src import demo
+    from keras_replicator._src.cli import demo
 
     (x, y), _ = demo.load_digits_split()
     keras.utils.set_random_seed(0)

@@ -47,6 +47,15 @@ from keras_replicator._src.core import validation
 from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import preemption
 
+# What a worker or ps task of a parameter-server cluster runs: a bare
+# TensorFlow server for its TF_CONFIG (`replicators/async_ps.py`'s
+# `serve`). Started by name, as `python -m` would: the launcher sits below
+# the replicators and imports none of them.
+SERVE_COMMAND = (
+    sys.executable,
+    "-c",
+    "from keras_replicator._src.replicators import async_ps; async_ps.serve()",
+)
 LOOPBACK = "127.0.0.1"
 CPU_REPLICAS_ENV = env.CPU_REPLICAS
 LAUNCHED_ENV = env.LAUNCHED
@@ -386,7 +395,7 @@ def _launch_once(
     """One launch: its exit code, whether a port clashed, and was preempted."""
     ports = free_ports(workers)
     # With parameter servers, `command` runs on the chief only; workers and
-    # ps tasks run a bare TensorFlow server (see async_ps.SERVE_COMMAND).
+    # ps tasks run a bare TensorFlow server (SERVE_COMMAND).
     tasks = (
         _ps_tasks(command, workers, ps, replicas_per_worker)
         if ps
@@ -457,8 +466,6 @@ def _launch_once(
 
 def _ps_tasks(command, workers, ps, replicas_per_worker):
     """(name, argv, env) of the chief, workers and ps of a loopback cluster."""
-    from keras_replicator._src.replicators import async_ps
-
     ports = iter(free_ports(1 + workers + ps))
     cluster = {
         job: [f"{LOOPBACK}:{next(ports)}" for _ in range(count)]
@@ -473,7 +480,7 @@ def _ps_tasks(command, workers, ps, replicas_per_worker):
             ).to_json()
             if replicas_per_worker is not None:
                 env[CPU_REPLICAS_ENV] = str(replicas_per_worker)
-            argv = command if job == "chief" else async_ps.SERVE_COMMAND
+            argv = command if job == "chief" else SERVE_COMMAND
             name = "chief" if job == "chief" else f"{job} {index}"
             tasks.append((name, argv, env))
     return tasks

@@ -1,6 +1,6 @@
 """Keeps TensorFlow out of `keras-replicator --help`, `launch` and `tf-config`.
 
-The command's entry point, `keras_replicator._src.cluster.cli`, lives inside
+The command's entry point, `keras_replicator._src.cli.main`, lives inside
 the package, so Python runs `keras_replicator/__init__.py` before it; that
 file imports TensorFlow (5-8 s and a screen of C++ logs on a small machine)
 for the public names and splits the CPU at import. In the command's own
@@ -25,7 +25,7 @@ PACKAGE = "keras_replicator"
 # The console script `keras-replicator` (pyproject.toml) and the module it
 # runs, which `python -m` runs too.
 COMMAND = "keras-replicator"
-CLI_MODULE = "keras_replicator._src.cluster.cli"
+CLI_MODULE = "keras_replicator._src.cli.main"
 
 # None until `defer` decides, once per process; then whether the package's
 # imports are still waiting for `load`.

@@ -22,6 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_replicator._src.cluster import config as cluster_lib
+from keras_replicator._src.cluster import launch
 from keras_replicator._src.core import validation
 from keras_replicator._src.data import sharding
 from keras_replicator._src.data import worker_shards
@@ -29,12 +30,9 @@ from keras_replicator._src.replicators import async_training
 from keras_replicator._src.replicators import base
 from keras_replicator._src.training import replicate as replicate_lib
 
-# What a worker or ps process runs: a bare TensorFlow server for TF_CONFIG.
-SERVE_COMMAND = (
-    sys.executable,
-    "-c",
-    "from keras_replicator._src.replicators import async_ps; async_ps.serve()",
-)
+# What a worker or ps process runs: a bare TensorFlow server for TF_CONFIG
+# (`serve` below; the launcher starts it by name).
+SERVE_COMMAND = launch.SERVE_COMMAND
 # Tasks that only serve; the chief (coordinator) runs the user's program.
 _SERVER_JOBS = ("worker", "ps")
 # A server executes the functions of the coordinator with its inter-op

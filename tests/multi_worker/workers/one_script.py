@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator._src import demo
+from keras_replicator._src.cli import demo
 
 GLOBAL_BATCH = 64
 EPOCHS = 3

@@ -45,7 +45,7 @@ def _load_package(args: argparse.Namespace) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     _load_package(args)
-    from keras_replicator._src import demo
+    from keras_replicator._src.cli import demo
     from keras_replicator._src.core import devices
 
     # Split the CPU before anything initialises TensorFlow's devices.
