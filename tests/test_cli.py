@@ -228,7 +228,11 @@ def test_env_is_quick_and_imports_no_tensorflow_where_no_gpu_can_be():
     assert lines[0].startswith("tensorflow 2."), lines
     assert lines[1].startswith("devices: "), lines
     assert "no GPU" in lines[1] and "without importing TensorFlow" in lines[1]
-    assert lines[-1].startswith("auto() picks: LocalReplicator("), lines
+    assert lines[2].startswith("auto() picks: LocalReplicator("), lines
+    assert lines[3] == (
+        "transport: grpc, as no mpiexec or srun --mpi started this job "
+        "(the default)"
+    ), lines
     # Its CPU time, robust on a loaded machine (wall time counts the other
     # processes): importing TensorFlow alone takes 4-8 s of CPU on a
     # 2-core machine, env without it about 0.2 s.

@@ -21,7 +21,7 @@ LAUNCHER_VARIABLES = (
     "TF_CONFIG",
     "SLURM_PROCID",
     "SLURM_NTASKS",
-    *discovery._MPI_RANK_VARS,
+    *discovery.MPI_RANK_VARS,
     *discovery._MPI_SIZE_VARS,
 )
 SLURM_2_OF_4 = {

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -550,3 +551,35 @@ def describe(results: Sequence[WorkerResult], tail: int = 4000) -> str:
         state = "timed out" if r.timed_out else f"exit code {r.returncode}"
         parts.append(f"--- worker {r.index}: {state} ---\n{r.output[-tail:]}")
     return "\n".join(parts)
+
+
+def mpiexec_command(n: int = 2) -> list[str]:
+    """`mpiexec -n <n> <this python>`: PyPI's mpich, beside this Python."""
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    assert found, "mpiexec not found: install the dev extra (PyPI mpich)"
+    return [found, "-n", str(n), sys.executable]
+
+
+def mpiexec_env(env: dict | None = None) -> dict:
+    """This environment without a cluster, plus `env`."""
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", RESULT_ENV, "KERAS_REPLICATOR_TRANSPORT")
+        and not k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_"))
+    }
+    full_env.update(
+        PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="3", **(env or {})
+    )
+    return full_env
+
+
+def mpiexec(*args, timeout: float, env: dict | None = None, n: int = 2):
+    """Runs `mpiexec -n <n> python <args>`; returns the CompletedProcess."""
+    return subprocess.run(
+        [*mpiexec_command(n), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=mpiexec_env(env),
+    )

@@ -1,11 +1,7 @@
 """Unmodified scripts under mpiexec (PyPI's mpich + mpi4py, on loopback)."""
 
 import ast
-import os
 import re
-import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,29 +13,6 @@ from tests.multi_worker import harness
 WORKERS = harness.REPO_ROOT / "tests/multi_worker/workers"
 
 
-def _mpiexec(*args, timeout, env=None):
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
-    assert mpiexec, "mpiexec not found: install the dev extra (PyPI mpich)"
-    full_env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TF_CONFIG", "KERAS_REPLICATOR_RESULT")
-        and not k.startswith("SLURM_")
-    }
-    full_env.update(
-        PYTHONPATH=str(harness.REPO_ROOT),
-        TF_CPP_MIN_LOG_LEVEL="3",
-        **(env or {}),
-    )
-    return subprocess.run(
-        [mpiexec, "-n", "2", sys.executable, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-    )
-
-
 @pytest.mark.multi_worker
 @pytest.mark.timeout(400)
 def test_mpiexec_fit_under_auto_matches_single_process(tmp_path):
@@ -48,7 +21,7 @@ def test_mpiexec_fit_under_auto_matches_single_process(tmp_path):
     np.savez(init, *model.get_weights())
     reference_history, _, _ = fit_reference.train(model)
 
-    result = _mpiexec(
+    result = harness.mpiexec(
         WORKERS / "mpi_fit_worker.py",
         init,
         tmp_path,
@@ -56,6 +29,11 @@ def test_mpiexec_fit_under_auto_matches_single_process(tmp_path):
         env={"KERAS_REPLICATOR_CPU_REPLICAS": "2"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # Two CPU replicas per process: MPI carries one, so gRPC, saying why.
+    assert (
+        "transport: grpc, as mpiexec started this job (PMI_RANK is set), "
+        "but each process holds 2 replicas" in result.stderr
+    ), result.stderr[-3000:]
     for rank in (0, 1):
         summary = (tmp_path / f"rank{rank}.txt").read_text()
         # 2 workers x 2 CPU replicas, found with no TF_CONFIG.
@@ -77,7 +55,7 @@ def test_mpiexec_fit_under_auto_matches_single_process(tmp_path):
 @pytest.mark.timeout(300)
 def test_rank_that_cannot_reach_its_peer_fails_within_the_timeout():
     start = time.monotonic()
-    result = _mpiexec(WORKERS / "mpi_lost_rank.py", 10, timeout=240)
+    result = harness.mpiexec(WORKERS / "mpi_lost_rank.py", 10, timeout=240)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert "UNEXPECTED" not in result.stdout
@@ -99,11 +77,12 @@ def test_the_mpi_script_contains_no_cluster_code():
 @pytest.mark.multi_worker
 @pytest.mark.timeout(200)
 def test_env_under_mpiexec_shows_the_mpi_cluster():
-    result = _mpiexec(
+    result = harness.mpiexec(
         "-m", "keras_replicator._src.cli.main", "env", timeout=150
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"launcher: mpi: rank {rank} of 2" in result.stdout
     assert result.stdout.count("auto() picks: MultiWorkerReplicator") == 2
+    assert result.stdout.count("transport: mpi, as mpiexec started") == 2
     assert re.search(r'"worker": \["127\.0\.0\.1:\d+", "127', result.stdout)

@@ -119,11 +119,17 @@ def _env(args: argparse.Namespace) -> int:
     if args.tensorflow or possible is not None:
         _load_package(args)
     from keras_replicator._src.cluster import discovery
+    from keras_replicator._src.cluster import transport
+    from keras_replicator._src.core import env
     from keras_replicator._src.replicators import auto
 
     try:
         choice = auto.choose()
-    except ValueError as e:
+        # A worker's replicas: KERAS_REPLICATOR_CPU_REPLICAS, else one
+        # (MultiWorkerReplicator's default without a GPU).
+        replicas = int(os.environ.get(env.CPU_REPLICAS) or 1)
+        carrier = transport.choose(replicas_per_process=replicas)
+    except (ValueError, ImportError) as e:
         print(f"keras-replicator env: error: {e}", file=sys.stderr)
         return 2
     print(_versions())
@@ -135,6 +141,7 @@ def _env(args: argparse.Namespace) -> int:
         print(f"launcher: {launched.describe()}")
         print(f"cluster: {json.dumps(launched.tf_config())}")
     print(f"auto() picks: {choice.describe()}")
+    print(carrier.describe())
     return 0
 
 

@@ -35,7 +35,7 @@ SLURM_PORTS_PER_JOB = 32
 PORT_ENV = env_names.PORT
 HOST_ENV = env_names.HOST
 
-_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 _MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 _MPI_LOCAL_RANK_VARS = (
     "MPI_LOCALRANKID",
@@ -104,7 +104,7 @@ def detect(environ: Mapping[str, str] | None = None) -> Discovered | None:
     env = os.environ if environ is None else environ
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         found = _from_slurm(env)
-    elif any(v in env for v in _MPI_RANK_VARS):
+    elif any(v in env for v in MPI_RANK_VARS):
         found = _from_mpi(env)
     else:
         return None
@@ -137,7 +137,7 @@ def _check_rank(rank_var, rank, size_var, size):
 
 
 def _from_mpi(env: Mapping[str, str]) -> Discovered:
-    rank_var = _first(env, _MPI_RANK_VARS)
+    rank_var = _first(env, MPI_RANK_VARS)
     rank = _int_var(env, rank_var)
     size_var = _first(env, _MPI_SIZE_VARS)
     if size_var is None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
 from keras_replicator._src import collectives
+from keras_replicator._src import mpi_collectives
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import layout
 from keras_replicator._src.cluster import startup_watchdog
+from keras_replicator._src.cluster import transport as transport_lib
 from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
@@ -125,6 +128,7 @@ class MultiWorkerReplicator(
         self._collective_timeout_seconds = collective_timeout_seconds
         _take_gpu_share(config)
         device_type, count = _local_devices(replicas_per_worker)
+        self._transport = transport_lib.choose(replicas_per_process=count)
         # Read by CollectiveAllReduceExtended; see
         # base.next_collective_key_base. Counted among multi-worker
         # replicators only: a LocalReplicator made on one worker alone (a
@@ -150,10 +154,13 @@ class MultiWorkerReplicator(
             extended = _MultiWorkerExtended(
                 self, resolver, options, device_type=device_type, count=count
             )
+        if self._transport.name == transport_lib.MPI:
+            mpi_collectives.install(extended, collective_timeout_seconds)
         # Skip MultiWorkerMirroredStrategy.__init__: it builds its own
         # extended object, which can only place one replica per CPU worker.
         tf.distribute.Strategy.__init__(self, extended)
         layout.advise_once(config, device_type, count)
+        _say_transport_once(config, self._transport)
 
     def reduce(self, reduce_op, value, axis=None):
         """Reduces `value` across every replica of every worker.
@@ -192,6 +199,17 @@ class MultiWorkerReplicator(
         return tf.nest.pack_sequence_as(value, reduced)
 
     @property
+    def transport(self) -> str:
+        """`"grpc"` or `"mpi"`: what carries the collectives between processes.
+
+        MPI when `mpiexec` or `srun --mpi` started the job with one replica
+        per process and mpi4py imports, or `KERAS_REPLICATOR_TRANSPORT`
+        forces it; else TensorFlow's gRPC collectives. The chief prints
+        which, and why, when the first replicator is built.
+        """
+        return self._transport.name
+
+    @property
     def is_chief(self) -> bool:
         """True on exactly one process: the chief, else worker 0."""
         return self._cluster_config.is_chief
@@ -220,6 +238,18 @@ class MultiWorkerReplicator(
     def collective_timeout_seconds(self) -> float | None:
         """The bound on each collective in seconds (None: none)."""
         return self._collective_timeout_seconds
+
+
+_said_transport = False
+
+
+def _say_transport_once(config, choice) -> None:
+    """The chief's first line: which transport, and why (once a process)."""
+    global _said_transport
+    if _said_transport or not config.is_chief:
+        return
+    _said_transport = True
+    print(f"keras-replicator {choice.describe()}", file=sys.stderr, flush=True)
 
 
 def _check_collectives_configurable(config: cluster_lib.ClusterConfig):

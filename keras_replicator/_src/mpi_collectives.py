@@ -1,0 +1,303 @@
+"""Collectives between processes over MPI: the MaTEx paper's transport.
+
+`MultiWorkerReplicator` (and `keras.distribution` over processes, which
+runs on it) issues every collective of a step through its cross-device
+ops' per-replica launchers: gradient all-reduces, Keras' logs, `strategy
+.reduce`, all-gathers, ModelParallel's gathers and sums (`collectives.py`
+calls the launcher itself). Under the MPI transport (cluster/transport.py)
+`install` swaps those launchers for `MpiLauncher`s, so the same graph
+exchanges its bytes with mpi4py over the user's MPI instead of
+TensorFlow's gRPC ring. The cluster still forms over TensorFlow's
+coordination service: start-up, the chief's broadcast of initial values
+when variables are created, heartbeats and barriers stay there, once per
+job or per save, not per step.
+
+Each collective is one `tf.numpy_function`, stateful: in a `tf.function`,
+TensorFlow's automatic control dependencies run stateful ops without
+resource inputs in program order, and every MPI op of a graph also waits
+for the previous one explicitly, so every process issues its collectives
+in the order its program made them, whatever order TensorFlow could run
+independent ops in. The buffers are 64-byte aligned, so TensorFlow takes
+the results without a copy; one Allreduce per dtype per call, in place.
+
+MPI has no bfloat16 or float16 sum: those are summed as float32 and cast
+back (gathers move their bits unchanged).
+
+One replica per process (`transport.choose` keeps gRPC otherwise): MPI's
+ranks are the replicas, so no local sum precedes the exchange.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops
+
+_ALIGN = 64
+# Summed as float32 (MPI has no half-precision sum).
+_SUM_AS = {tf.bfloat16: tf.float32, tf.float16: tf.float32}
+# Moved as integers of their width (MPI has no such datatype).
+_MOVE_AS = {tf.bfloat16: tf.int16, tf.float16: tf.int16}
+
+
+def _comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def install(extended, timeout_seconds: float | None = None) -> None:
+    """Makes `extended`'s collectives between processes go over MPI.
+
+    Args:
+        extended: A `CollectiveAllReduceExtended` with one local replica.
+        timeout_seconds: Bound on each collective (None: none).
+
+    Raises:
+        ValueError: If the process holds several replicas.
+    """
+    if len(extended.worker_devices) != 1:
+        raise ValueError(
+            "The MPI transport carries one replica per process. Received: "
+            f"{len(extended.worker_devices)} replicas on this process"
+        )
+    size = _comm().Get_size()
+    if size != extended._num_workers:  # noqa: SLF001
+        raise ValueError(
+            "The MPI world and the cluster differ: run one worker per MPI "
+            f"rank. Received: MPI size {size}, "
+            f"{extended._num_workers} workers"  # noqa: SLF001
+        )
+    for name in ("_cross_device_ops", "_host_cross_device_ops"):
+        ops = getattr(extended, name, None)
+        if isinstance(ops, cross_device_ops.CollectiveAllReduce):
+            ops._launchers = [  # noqa: SLF001
+                MpiLauncher(device, timeout_seconds)
+                for device in ops._devices  # noqa: SLF001
+            ]
+
+
+def uses_mpi(ctx_or_strategy) -> bool:
+    """Whether this strategy's collectives go over MPI."""
+    strategy = getattr(ctx_or_strategy, "strategy", ctx_or_strategy)
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    launchers = getattr(ops, "_launchers", None) or ()
+    return any(isinstance(x, MpiLauncher) for x in launchers)
+
+
+class MpiLauncher:
+    """One replica's collectives, over MPI.
+
+    Has the methods of TensorFlow's `CollectiveReplicaLauncher` that
+    `CollectiveAllReduce` and `collectives.py` call; each is one MPI call
+    (sums: one Allreduce per dtype).
+    """
+
+    def __init__(self, device: str, timeout_seconds: float | None = None):
+        self._device = device
+        self._timeout = timeout_seconds
+
+    def can_order_nccl(self) -> bool:
+        return True
+
+    def all_reduce(self, input_tensor, control_input=None, options=None):
+        """Sums one tensor over the processes."""
+        del options
+        deps = [] if control_input is None else [control_input]
+        with tf.control_dependencies(deps):
+            return self.batch_all_reduce([[input_tensor]])[0]
+
+    def batch_all_reduce(self, input_tensor_packs, options=None):
+        """Sums every tensor of every pack over the processes, in one call."""
+        del options
+        flat = [t for pack in input_tensor_packs for t in pack]
+        with tf.device(self._device):
+            return all_reduce_sum(flat, self._timeout)
+
+    def _all_gather(self, input_tensor, options=None):
+        """Concatenates every process's tensor along axis 0."""
+        del options
+        with tf.device(self._device):
+            return all_gather(input_tensor, self._timeout)
+
+    def all_gather(self, input_tensor, axis, options=None):
+        """Concatenates every process's tensor along `axis`."""
+        del options
+        rank = input_tensor.shape.rank
+        if axis == 0 or rank is None:
+            return self._all_gather(input_tensor)
+        perm = [axis] + [i for i in range(rank) if i != axis]
+        back = [perm.index(i) for i in range(rank)]
+        moved = tf.transpose(input_tensor, perm)
+        return tf.transpose(self._all_gather(moved), back)
+
+    def all_reduce_indexed_slices(self, input_slices, options=None):
+        """Sums `IndexedSlices`: their rows and indices, gathered."""
+        del options
+        with tf.device(self._device):
+            values = all_gather(input_slices.values, self._timeout)
+            indices = all_gather(input_slices.indices, self._timeout)
+        return tf.IndexedSlices(values, indices, input_slices.dense_shape)
+
+
+def all_reduce_sum(
+    tensors: Sequence[tf.Tensor], timeout_seconds: float | None = None
+) -> list[tf.Tensor]:
+    """Sums dense tensors over the MPI processes: one Allreduce per dtype.
+
+    Args:
+        tensors: Dense tensors (any shapes and dtypes).
+        timeout_seconds: Bound on the exchange (None: none).
+
+    Returns:
+        The sums, shaped and typed like `tensors`.
+    """
+    if not tensors:
+        return []
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    moved = [
+        tf.cast(t, _SUM_AS[t.dtype]) if t.dtype in _SUM_AS else t
+        for t in tensors
+    ]
+
+    def run(*arrays):
+        return _sum_arrays(arrays, timeout_seconds)
+
+    outs = _ordered(run, moved, [t.dtype for t in moved])
+    results = []
+    for t, out in zip(tensors, outs, strict=True):
+        out.set_shape(t.shape)
+        results.append(tf.cast(out, t.dtype) if t.dtype in _SUM_AS else out)
+    return results
+
+
+def all_gather(
+    tensor: tf.Tensor, timeout_seconds: float | None = None
+) -> tf.Tensor:
+    """Concatenates every process's tensor along axis 0, in rank order.
+
+    The tensors may differ along axis 0 only.
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    dtype = tensor.dtype
+    if dtype == tf.bool:
+        moved = tf.cast(tensor, tf.int8)
+    elif dtype in _MOVE_AS:
+        moved = tf.bitcast(tensor, _MOVE_AS[dtype])
+    else:
+        moved = tensor
+
+    def run(array):
+        return (_gather_array(array, timeout_seconds),)
+
+    (out,) = _ordered(run, [moved], [moved.dtype])
+    if tensor.shape.rank is not None:
+        out.set_shape([None, *tensor.shape[1:]])
+    if dtype == tf.bool:
+        return tf.cast(out, tf.bool)
+    return tf.bitcast(out, dtype) if dtype in _MOVE_AS else out
+
+
+def _ordered(fn, inputs, dtypes):
+    """Runs `fn` on NumPy arrays as one stateful op, after the graph's last.
+
+    Every process builds the same program, so a chain of the MPI ops of each
+    graph issues them in the same order on every process.
+    """
+    if tf.executing_eagerly():
+        return _listed(tf.numpy_function(fn, inputs, dtypes, stateful=True))
+    graph = tf.compat.v1.get_default_graph()
+    previous = getattr(graph, "_kr_mpi_last", None)
+    deps = [] if previous is None else [previous]
+    with tf.control_dependencies(deps):
+        outs = _listed(tf.numpy_function(fn, inputs, dtypes, stateful=True))
+    graph._kr_mpi_last = outs[0].op  # noqa: SLF001
+    return outs
+
+
+def _listed(outs):
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _aligned(count: int, dtype) -> np.ndarray:
+    """An uninitialised 1-D array whose data starts on a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(count * dtype.itemsize + _ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start : start + count * dtype.itemsize].view(dtype)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _sum_arrays(arrays, timeout):
+    """Sums `arrays` over the ranks: one in-place Allreduce per dtype."""
+    from mpi4py import MPI
+
+    comm = _comm()
+    out = [None] * len(arrays)
+    by_dtype: dict[str, list[int]] = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(a.dtype.str, []).append(i)
+    for key in sorted(by_dtype):
+        indices = by_dtype[key]
+        dtype = np.dtype(key)
+        # Each value starts on a 64-byte boundary of one buffer, so the
+        # views returned are aligned and TensorFlow wraps them uncopied.
+        offsets, total = [], 0
+        for i in indices:
+            offsets.append(total)
+            total += _padded(arrays[i].nbytes) // dtype.itemsize
+        buffer = _aligned(total, dtype)
+        for i, start in zip(indices, offsets, strict=True):
+            buffer[start : start + arrays[i].size] = arrays[i].reshape(-1)
+        _wait(
+            lambda b=buffer: comm.Iallreduce(MPI.IN_PLACE, b, MPI.SUM),
+            lambda b=buffer: comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM),
+            timeout,
+            f"an all-reduce of {buffer.nbytes} bytes of {dtype}",
+        )
+        for i, start in zip(indices, offsets, strict=True):
+            a = arrays[i]
+            out[i] = buffer[start : start + a.size].reshape(a.shape)
+    return out
+
+
+def _gather_array(array, timeout):
+    """Concatenates every rank's `array` along axis 0."""
+    comm = _comm()
+    rows = comm.allgather(array.shape[0] if array.ndim else 1)
+    row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
+    counts = [r * row for r in rows]
+    out = _aligned(sum(counts), array.dtype)
+    send = np.ascontiguousarray(array).reshape(-1)
+    _wait(
+        lambda: comm.Iallgatherv(send, (out, counts)),
+        lambda: comm.Allgatherv(send, (out, counts)),
+        timeout,
+        f"an all-gather of {out.nbytes} bytes",
+    )
+    return out.reshape((sum(rows), *array.shape[1:]) if array.ndim else -1)
+
+
+def _wait(start_nonblocking, blocking, timeout, what):
+    """Runs a collective; with a timeout, polls it and raises past it."""
+    if timeout is None:
+        blocking()
+        return
+    request = start_nonblocking()
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"The MPI transport waited {timeout:g} s for {what} on rank "
+                f"{_comm().Get_rank()} of {_comm().Get_size()}: a peer is "
+                "stuck or gone (collective_timeout_seconds)."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
