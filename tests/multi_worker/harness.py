@@ -158,6 +158,7 @@ def run_workers(
     check: bool = True,
     kill_on_failure: bool = True,
     attempts: int = 2,
+    transport: str = "grpc",
 ) -> list[WorkerResult]:
     """Runs `script` as `num_workers` processes of one loopback cluster.
 
@@ -175,6 +176,10 @@ def run_workers(
         kill_on_failure: Kill the others as soon as one exits non-zero.
             Fault tests set False to watch how the survivors end.
         attempts: Tries when a port was taken by someone else meanwhile.
+        transport: `"grpc"`, or `"mpi"`: the same workers (same TF_CONFIG)
+            started as the ranks of one `mpiexec`, so their collectives go
+            over MPI (`KERAS_REPLICATOR_TRANSPORT=mpi`; one replica per
+            worker). Every worker's return code is then mpiexec's.
 
     Returns:
         One `WorkerResult` per worker, in task order.
@@ -188,7 +193,8 @@ def run_workers(
             path = Path(tmp) / "worker.py"
             path.write_text(str(script))
         for attempt in range(attempts):
-            results = _run_once(
+            run = _run_mpi if transport == "mpi" else _run_once
+            results = run(
                 path,
                 num_workers,
                 replicas_per_worker,
@@ -269,6 +275,77 @@ def _run_once(
                 output=outputs[i].read_text(errors="replace"),
                 result=result,
                 timed_out=timed_out[i],
+            )
+        )
+    return results
+
+
+def _run_mpi(
+    path,
+    num_workers,
+    replicas,
+    timeout,
+    args,
+    env,
+    env_for,
+    kill_on_failure,
+    tmp,
+):
+    """`_run_once` with the workers as the ranks of one `mpiexec` (MPMD)."""
+    del kill_on_failure  # mpiexec ends every rank when one fails.
+    if replicas != 1:
+        raise ValueError(
+            f"MPI carries one replica per worker. Received: replicas={replicas}"
+        )
+    ports = free_ports(num_workers)
+    result_paths = [tmp / f"result_{i}.json" for i in range(num_workers)]
+    common = mpiexec_env({**(env or {}), "KERAS_REPLICATOR_TRANSPORT": "mpi"})
+    common["KERAS_REPLICATOR_CPU_REPLICAS"] = "1"
+    mpiexec_path, _, _, python = mpiexec_command(1)
+    argv = [
+        mpiexec_path,
+        "-outfile-pattern",
+        str(tmp / "out_%r.txt"),
+        "-errfile-pattern",
+        str(tmp / "err_%r.txt"),
+    ]
+    for i in range(num_workers):
+        result_paths[i].unlink(missing_ok=True)
+        own = worker_env(ports, i, replicas, str(result_paths[i]), {})
+        per_rank = {
+            "TF_CONFIG": own["TF_CONFIG"],
+            RESULT_ENV: own[RESULT_ENV],
+            **(env_for(i) if env_for else {}),
+        }
+        if i:
+            argv.append(":")
+        argv += ["-n", "1"]
+        for key, value in per_rank.items():
+            argv += ["-env", key, value]
+        argv += [python, str(path), *args]
+    proc = subprocess.Popen(
+        argv, env=common, cwd=str(REPO_ROOT), start_new_session=True
+    )
+    try:
+        (timed_out,) = _wait([proc], timeout, True)
+    finally:
+        _kill(proc)
+    results = []
+    for i in range(num_workers):
+        result = None
+        if result_paths[i].exists():
+            result = json.loads(result_paths[i].read_text())
+        output = "".join(
+            f.read_text(errors="replace") if f.exists() else ""
+            for f in (tmp / f"out_{i}.txt", tmp / f"err_{i}.txt")
+        )
+        results.append(
+            WorkerResult(
+                index=i,
+                returncode=proc.returncode,
+                output=output,
+                result=result,
+                timed_out=timed_out,
             )
         )
     return results

@@ -3,8 +3,10 @@
 The loops of `tests/tf_tutorials.py` (per-example losses scaled with
 `tf.nn.compute_average_loss`, `apply_gradients` in `strategy.run`) on 2
 `MultiWorkerReplicator` workers equal one device and stock
-`MirroredStrategy` in this process.
+`MirroredStrategy` in this process, over gRPC and over MPI.
 """
+
+import functools
 
 import numpy as np
 import pytest
@@ -17,11 +19,24 @@ from tests.multi_worker import harness
 WORKER = harness.REPO_ROOT / "tests/multi_worker/workers/tutorial_worker.py"
 
 
-@pytest.fixture(scope="module")
-def workers():
+@pytest.fixture(scope="module", params=["grpc", "mpi"])
+def workers(request):
+    # The same workers over TensorFlow's gRPC collectives, and as the ranks
+    # of one mpiexec over MPI (the MPI transport).
     return harness.run_workers(
-        WORKER, num_workers=2, replicas_per_worker=1, timeout=600
+        WORKER,
+        num_workers=2,
+        replicas_per_worker=1,
+        timeout=600,
+        transport=request.param,
     )
+
+
+@functools.cache
+def _references(name):
+    """One device's and stock MirroredStrategy's run, shared by transports."""
+    loop = getattr(tf_tutorials, name)
+    return loop(None), loop(helpers.stock_mirrored())
 
 
 def _as_arrays(result):
@@ -43,11 +58,11 @@ def _as_arrays(result):
     [("custom_training", 1e-6, 1e-3), ("multi_worker_ctl", 1e-5, 1e-5)],
 )
 def test_tutorial_loop_matches_one_device_and_stock(
-    workers, name, atol, one_device_atol
+    workers, name, atol, one_device_atol, request
 ):
-    loop = getattr(tf_tutorials, name)
-    one_device = loop(None)
-    stock = loop(helpers.stock_mirrored())
+    transport = request.node.callspec.params["workers"]
+    assert [w.result["transport"] for w in workers] == [transport] * 2
+    one_device, stock = _references(name)
     for w in workers:
         actual = _as_arrays(w.result[name])
         label = f"{name}, worker {w.index}"

@@ -17,5 +17,6 @@ from tests.multi_worker import harness  # noqa: E402
 results = {
     "custom_training": tf_tutorials.custom_training(replicator),
     "multi_worker_ctl": tf_tutorials.multi_worker_ctl(replicator),
+    "transport": replicator.transport,
 }
 harness.write_result(results)
