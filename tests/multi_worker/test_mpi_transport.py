@@ -46,9 +46,10 @@ def _run(mode, init, out_dir, timeout=240):
         json.loads((out_dir / f"rank{rank}.json").read_text())
         for rank in (0, 1)
     ]
-    for report in reports:
-        assert report["transport"] == "mpi"
-        assert report["replicas"] == 2
+    for runs in reports:
+        for report in runs.values():
+            assert report["transport"] == "mpi"
+            assert report["replicas"] == 2
     return reports
 
 
@@ -59,8 +60,8 @@ def test_fit_evaluate_predict_over_mpi_are_one_devices(tmp_path):
     np.savez(init, *model.get_weights())
     history, evaluation, predictions = fit_reference.train(model)
 
-    for rank, report in enumerate(_run("fit", init, tmp_path)):
-        what = f"rank {rank}"
+    for rank, runs in enumerate(_run("fit", init, tmp_path)):
+        report, what = runs["fit"], f"rank {rank}"
         # Every step's gradients and logs went over MPI.
         steps = fit_reference.EPOCHS * 64 // fit_reference.GLOBAL_BATCH
         assert report["calls"]["sum"] >= steps, report["calls"]
@@ -82,13 +83,19 @@ def test_fit_evaluate_predict_over_mpi_are_one_devices(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_model_parallel_across_processes_over_mpi_is_one_device(tmp_path):
+def test_keras_distribution_over_mpi_is_one_device(tmp_path):
     reference = distribution_reference.one_device_run(tmp_path)
-    for rank, report in enumerate(
-        _run("model_across", reference["init"], tmp_path)
-    ):
-        # The sharded kernels' products gathered rows over MPI.
-        assert report["calls"]["gather"] > 0, report["calls"]
+    runs = _run("distribution", reference["init"], tmp_path)
+    for rank, report in enumerate(runs):
+        # ModelParallel with its model axis across the processes: the
+        # sharded kernels' products gathered rows over MPI.
+        model_parallel = report["model_across"]
+        assert model_parallel["calls"]["gather"] > 0, model_parallel["calls"]
         distribution_reference.assert_matches(
-            report, reference, 1e-5, f"rank {rank}"
+            model_parallel, reference, 1e-5, f"ModelParallel, rank {rank}"
+        )
+        data_parallel = report["data_parallel"]
+        assert data_parallel["calls"]["sum"] > 0, data_parallel["calls"]
+        distribution_reference.assert_matches(
+            data_parallel, reference, 1e-5, f"DataParallel, rank {rank}"
         )

@@ -5,15 +5,15 @@ argv: <mode> <initial weights .npz> <output dir>. Modes:
 - `fit`: `kr.auto()` finds the MPI launch; `fit_reference`'s `fit`,
   `evaluate` and `predict` (TensorFlow's tutorial convention: Keras' own
   loop, unchanged).
-- `model_across`: `keras.distribution.initialize()`, then
-  `distribution_reference`'s ModelParallel over a (1, 2) mesh: its model
-  axis spans the two processes, so every product gathers or sums rows
-  between them.
+- `distribution`: `keras.distribution.initialize()`, then
+  `distribution_reference`'s model under ModelParallel over a (1, 2) mesh
+  (its model axis spans the two processes, so every product gathers or
+  sums rows between them), then again under DataParallel.
 
-Writes `<output dir>/rank<r>.json`: the transport the replicator reports,
-how many MPI exchanges this rank made (`mpi_collectives`' own counter, a
-library function wrapped here, not TensorFlow), the history, evaluation,
-predictions and weights.
+Writes `<output dir>/rank<r>.json`: per run, the transport the replicator
+reports, how many MPI exchanges this rank made (`mpi_collectives`' own
+functions, wrapped here to count; not TensorFlow), the history (and
+evaluation and predictions) and the weights.
 """
 
 import json
@@ -53,7 +53,21 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-report = {}
+
+def _report(replicator, model, history, **extra):
+    report = {
+        "transport": replicator.transport,
+        "replicas": replicator.num_replicas_in_sync,
+        "calls": dict(calls),
+        "history": history,
+        "weights": [w.tolist() for w in model.get_weights()],
+        **extra,
+    }
+    calls.update(sum=0, gather=0)
+    return report
+
+
+reports = {}
 init = list(np.load(init_path).values())
 if mode == "fit":
     from tests.multi_worker import fit_reference
@@ -62,21 +76,23 @@ if mode == "fit":
         model = fit_reference.build()
     model.set_weights(init)
     history, evaluation, predictions = fit_reference.train(model)
-    report.update(evaluation=evaluation, predictions=predictions.tolist())
+    reports["fit"] = _report(
+        replicator,
+        model,
+        history,
+        evaluation=evaluation,
+        predictions=predictions.tolist(),
+    )
 else:
     from tests.multi_worker import distribution_reference as reference
 
-    keras.distribution.set_distribution(reference.distribution(mode))
-    model = reference.build()
-    model.set_weights(init)
-    history = reference.train(model)
-    replicator = tf.distribute.get_strategy()
-report.update(
-    transport=replicator.transport,
-    replicas=replicator.num_replicas_in_sync,
-    calls=calls,
-    history=history,
-    weights=[w.tolist() for w in model.get_weights()],
-)
+    for kind in ("model_across", "data_parallel"):
+        keras.distribution.set_distribution(reference.distribution(kind))
+        model = reference.build()
+        model.set_weights(init)
+        history = reference.train(model)
+        replicator = tf.distribute.get_strategy()
+        reports[kind] = _report(replicator, model, history)
+        keras.distribution.set_distribution(None)
 with open(os.path.join(out_dir, f"rank{kr.process_index()}.json"), "w") as f:
-    json.dump(report, f)
+    json.dump(reports, f)
