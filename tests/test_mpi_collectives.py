@@ -1,0 +1,111 @@
+"""The MPI transport's ops (mpi_collectives.py) in one MPI process.
+
+A process that mpiexec did not start is an MPI world of one (MPICH's
+singleton start), so a sum or a gather over the ranks is the value itself:
+that checks every dtype's round trip through MPI (bfloat16 and float16 sum
+as float32, gathers move bits), the shapes TensorFlow sees, and the order
+of a graph's MPI ops, in a subprocess of its own, so MPI never starts in
+the test process. Two ranks are tests/multi_worker/test_mpi_transport.py's.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from keras_replicator._src import mpi_collectives
+
+SCRIPT = r"""
+import json
+import tensorflow as tf
+from keras_replicator._src import mpi_collectives as mc
+
+values = [
+    tf.constant([1.5, -2.25], tf.bfloat16),
+    tf.constant(3, tf.int32),
+    tf.constant([[1.0, 2.0], [3.0, 4.0]], tf.float64),
+    tf.constant([0.5], tf.float16),
+    tf.range(5, dtype=tf.float32),
+    tf.constant([7], tf.int64),
+]
+out = {"sums": [
+    [r.dtype.name, r.shape.as_list(), r.numpy().tolist()]
+    for r in mc.all_reduce_sum(values)
+]}
+out["gathers"] = [
+    [g.dtype.name, g.numpy().tolist()]
+    for g in (
+        mc.all_gather(tf.constant([True, False])),
+        mc.all_gather(tf.constant([[1.5], [-3.0]], tf.bfloat16)),
+        mc.all_gather(tf.constant([[1, 2, 3]], tf.int32)),
+    )
+]
+
+@tf.function
+def step(a, b):
+    # Independent of each other: only the chain orders them.
+    x = mc.all_reduce_sum([a])[0]
+    y = mc.all_reduce_sum([b, b])[1]
+    z = mc.all_gather(a)
+    return x + 1, y * 2, z
+
+graph = step.get_concrete_function(
+    tf.TensorSpec([3]), tf.TensorSpec([2, 2])
+).graph
+calls = [op for op in graph.get_operations() if op.type == "PyFunc"]
+out["chain"] = [[c.name for c in op.control_inputs] for op in calls]
+out["names"] = [op.name for op in calls]
+x, y, z = step(tf.ones([3]), tf.ones([2, 2]))
+out["step"] = [x.numpy().tolist(), y.numpy().tolist(), z.shape.as_list()]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_sum_over_one_rank_keeps_every_dtype_shape_and_value(one_rank):
+    assert one_rank["sums"] == [
+        ["bfloat16", [2], [1.5, -2.25]],
+        ["int32", [], 3],
+        ["float64", [2, 2], [[1.0, 2.0], [3.0, 4.0]]],
+        ["float16", [1], [0.5]],
+        ["float32", [5], [0.0, 1.0, 2.0, 3.0, 4.0]],
+        ["int64", [1], [7]],
+    ]
+
+
+def test_a_gather_over_one_rank_moves_bits_unchanged(one_rank):
+    assert one_rank["gathers"] == [
+        ["bool", [True, False]],
+        ["bfloat16", [[1.5], [-3.0]]],
+        ["int32", [[1, 2, 3]]],
+    ]
+
+
+def test_a_graphs_mpi_ops_run_in_program_order(one_rank):
+    # Each waits for the one made before it, whatever TensorFlow could run
+    # first: every rank issues them in the same order.
+    names = one_rank["names"]
+    assert len(names) == 3
+    assert one_rank["chain"][0] == []
+    for previous, deps in zip(names, one_rank["chain"][1:], strict=False):
+        assert previous in deps
+    assert one_rank["step"] == [[2.0, 2.0, 2.0], [[2.0, 2.0], [2.0, 2.0]], [3]]
+
+
+def test_mpi_carries_one_replica_per_process():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with pytest.raises(ValueError, match="Received: 2 replicas"):
+        mpi_collectives.install(strategy.extended)
