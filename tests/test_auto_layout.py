@@ -138,10 +138,19 @@ def test_keys_set_on_the_map_win_and_the_report_names_key_rule_or_reason():
     assert _blocks(model, "d1", "kernel") == {(32, 16)}
     assert _blocks(model, "q", "kernel") == {(8, 1, 4)}
 
+    model.compile(keras.optimizers.Adam(), "mse")
+    model.optimizer.build(model.trainable_variables)
     lines = []
     kr.layout_report(model, print_fn=lines.append)
     rows = {line.split()[0]: line for line in lines[0].splitlines()[1:-1]}
     assert "emb/embeddings" in rows["emb/embeddings"].split()[2:]
+    # An optimizer slot names what laid out the variable it was made from.
+    slots = [p for p in rows if "/q_kernel_" in p]
+    assert len(slots) == 2, sorted(rows)
+    for slot in slots:
+        assert "auto: einsum output (dim 1)" in rows[slot]
+    (table,) = [p for p in rows if p.endswith("/emb_embeddings_momentum")]
+    assert "emb/embeddings" in rows[table]
     assert "auto: einsum output (dim 1)" in rows["q/kernel"]
     assert "auto: conv channels (dim 2)" in rows["conv/kernel"]
     assert "whole: 192 B < min_bytes" in rows["d2/kernel"]
