@@ -40,6 +40,7 @@ out["gathers"] = [
         mc.all_gather(tf.constant([True, False])),
         mc.all_gather(tf.constant([[1.5], [-3.0]], tf.bfloat16)),
         mc.all_gather(tf.constant([[1, 2, 3]], tf.int32)),
+        mc.all_gather(tf.constant([[1.0], [2.0]]), equal=True),
     )
 ]
 
@@ -48,7 +49,9 @@ def step(a, b):
     # Independent of each other: only the chain orders them.
     x = mc.all_reduce_sum([a])[0]
     y = mc.all_reduce_sum([b, b])[1]
-    z = mc.all_gather(a)
+    z = mc.all_gather(a, equal=True)
+    assert z.shape.as_list() == [3], z.shape
+    assert mc.all_gather(b).shape.as_list() == [None, 2]
     return x + 1, y * 2, z
 
 graph = step.get_concrete_function(
@@ -91,6 +94,7 @@ def test_a_gather_over_one_rank_moves_bits_unchanged(one_rank):
         ["bool", [True, False]],
         ["bfloat16", [[1.5], [-3.0]]],
         ["int32", [[1, 2, 3]]],
+        ["float32", [[1.0], [2.0]]],
     ]
 
 
@@ -98,7 +102,7 @@ def test_a_graphs_mpi_ops_run_in_program_order(one_rank):
     # Each waits for the one made before it, whatever TensorFlow could run
     # first: every rank issues them in the same order.
     names = one_rank["names"]
-    assert len(names) == 3
+    assert len(names) == 4
     assert one_rank["chain"][0] == []
     for previous, deps in zip(names, one_rank["chain"][1:], strict=False):
         assert previous in deps

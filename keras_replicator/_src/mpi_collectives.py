@@ -118,21 +118,26 @@ class MpiLauncher:
             return all_reduce_sum(flat, self._timeout)
 
     def _all_gather(self, input_tensor, options=None):
-        """Concatenates every process's tensor along axis 0."""
+        """Concatenates every process's tensor along axis 0.
+
+        What `collectives.all_gather_equal` calls: the shapes are equal and
+        static on every process, so no sizes are exchanged.
+        """
         del options
         with tf.device(self._device):
-            return all_gather(input_tensor, self._timeout)
+            return all_gather(input_tensor, self._timeout, equal=True)
 
     def all_gather(self, input_tensor, axis, options=None):
         """Concatenates every process's tensor along `axis`."""
         del options
         rank = input_tensor.shape.rank
-        if axis == 0 or rank is None:
-            return self._all_gather(input_tensor)
-        perm = [axis] + [i for i in range(rank) if i != axis]
-        back = [perm.index(i) for i in range(rank)]
-        moved = tf.transpose(input_tensor, perm)
-        return tf.transpose(self._all_gather(moved), back)
+        with tf.device(self._device):
+            if axis == 0 or rank is None:
+                return all_gather(input_tensor, self._timeout)
+            perm = [axis] + [i for i in range(rank) if i != axis]
+            back = [perm.index(i) for i in range(rank)]
+            moved = tf.transpose(input_tensor, perm)
+            return tf.transpose(all_gather(moved, self._timeout), back)
 
     def all_reduce_indexed_slices(self, input_slices, options=None):
         """Sums `IndexedSlices`: their rows and indices, gathered."""
@@ -175,11 +180,21 @@ def all_reduce_sum(
 
 
 def all_gather(
-    tensor: tf.Tensor, timeout_seconds: float | None = None
+    tensor: tf.Tensor,
+    timeout_seconds: float | None = None,
+    equal: bool = False,
 ) -> tf.Tensor:
     """Concatenates every process's tensor along axis 0, in rank order.
 
-    The tensors may differ along axis 0 only.
+    Args:
+        tensor: This process's tensor. The processes' tensors may differ
+            along axis 0 only.
+        timeout_seconds: Bound on the exchange (None: none).
+        equal: Whether every process's tensor has this one's static shape:
+            then no sizes are exchanged, and the result's shape is static.
+
+    Returns:
+        The concatenation, of this tensor's dtype.
     """
     tensor = tf.convert_to_tensor(tensor)
     dtype = tensor.dtype
@@ -190,11 +205,16 @@ def all_gather(
     else:
         moved = tensor
 
+    equal = equal and tensor.shape.is_fully_defined()
+
     def run(array):
-        return (_gather_array(array, timeout_seconds),)
+        return (_gather_array(array, timeout_seconds, equal),)
 
     (out,) = _ordered(run, [moved], [moved.dtype])
-    if tensor.shape.rank is not None:
+    if equal and tensor.shape.rank:
+        size = _comm().Get_size()
+        out.set_shape([size * tensor.shape[0], *tensor.shape[1:]])
+    elif tensor.shape.rank is not None:
         out.set_shape([None, *tensor.shape[1:]])
     if dtype == tf.bool:
         return tf.cast(out, tf.bool)
@@ -263,15 +283,20 @@ def _sum_arrays(arrays, timeout):
     return out
 
 
-def _gather_array(array, timeout):
+def _gather_array(array, timeout, equal=False):
     """Concatenates every rank's `array` along axis 0."""
     comm = _comm()
     _when_all_arrived(comm, timeout, "an all-gather")
+    send = np.ascontiguousarray(array).reshape(-1)
+    if equal:
+        out = _aligned(send.size * comm.Get_size(), array.dtype)
+        comm.Allgather(send, out)
+        rows = array.shape[0] * comm.Get_size() if array.ndim else -1
+        return out.reshape((rows, *array.shape[1:]) if array.ndim else -1)
     rows = comm.allgather(array.shape[0] if array.ndim else 1)
     row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
     counts = [r * row for r in rows]
     out = _aligned(sum(counts), array.dtype)
-    send = np.ascontiguousarray(array).reshape(-1)
     comm.Allgatherv(send, (out, counts))
     return out.reshape((sum(rows), *array.shape[1:]) if array.ndim else -1)
 
