@@ -29,6 +29,14 @@ process 0, against one device) is a second run of each N, which loads and
 reads every whole value: reads a training script does not make, whose
 memory would otherwise count in `fit`.
 
+With `--model mistral` or `--model gemma3` and `--auto`: the same for a
+keras-hub model that ships no layout map, a `MistralCausalLM` of 107.5M
+parameters (vocabulary 32000, untied logits, 4 layers, hidden 1024, 8
+heads, MLP 2048) or a `Gemma3CausalLM` of 100.9M (vocabulary 33000, 4
+layers, hidden 1024, 8 heads of 128, MLP 4096), laid out by
+`kr.auto_layout_map(mesh)` (`--auto` with `--model gemma` replaces
+Gemma's own map by it too).
+
 Last stage: `save` (every process calls `save_weights` with one path; the
 chief gathers and writes one variable at a time, the others join the
 gathers).
@@ -54,7 +62,10 @@ from _common import sharded_mlp  # noqa: E402
 STAGES = {
     "mlp": ("build", "slots", "fit", "save"),
     "gemma": ("load", "fit", "save"),
+    "mistral": ("load", "fit", "save"),
+    "gemma3": ("load", "fit", "save"),
 }
+HUB = ("gemma", "mistral", "gemma3")
 GEMMA = dict(
     vocabulary_size=33000,
     num_layers=4,
@@ -65,6 +76,38 @@ GEMMA = dict(
     head_dim=128,
     dtype="float32",
 )
+MISTRAL = dict(
+    vocabulary_size=32000,
+    num_layers=4,
+    num_query_heads=8,
+    num_key_value_heads=8,
+    hidden_dim=1024,
+    intermediate_dim=2048,
+    dtype="float32",
+)
+GEMMA3 = dict(
+    vocabulary_size=33000,
+    image_size=16,
+    num_layers=4,
+    num_query_heads=8,
+    num_key_value_heads=8,
+    hidden_dim=1024,
+    intermediate_dim=4096,
+    head_dim=128,
+    dtype="float32",
+)
+
+
+def _hub_classes(name):
+    """(backbone class, causal LM class, config) of a keras-hub model."""
+    import keras_hub
+
+    models = keras_hub.models
+    return {
+        "gemma": (models.GemmaBackbone, models.GemmaCausalLM, GEMMA),
+        "mistral": (models.MistralBackbone, models.MistralCausalLM, MISTRAL),
+        "gemma3": (models.Gemma3Backbone, models.Gemma3CausalLM, GEMMA3),
+    }[name]
 
 
 def _worker(args):
@@ -89,8 +132,8 @@ def _worker(args):
             out[name + " tensors"] = [info["current"] >> 20, info["peak"] >> 20]
             tf.config.experimental.reset_memory_stats("CPU:0")
 
-    if args.model == "gemma":
-        _gemma(args, stage, out)
+    if args.model in HUB:
+        _hub(args, stage, out)
         return
     model = sharded_mlp(args.width, args.layers, args.workers)
     stage("build")
@@ -110,26 +153,29 @@ def _worker(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _gemma(args, stage, out):
-    """Loads the preset under Gemma's layout map, trains one step."""
+def _hub(args, stage, out):
+    """Loads the preset under its layout map (or the automatic one)."""
     import keras
-    import keras_hub
     import numpy as np
 
+    import keras_replicator as kr
+
+    backbone_class, lm_class, _ = _hub_classes(args.model)
     if args.workers > 1:
         devices = keras.distribution.list_devices()
         mesh = keras.distribution.DeviceMesh(
             (1, len(devices)), ("batch", "model"), devices
         )
+        if args.auto:
+            layout_map = kr.auto_layout_map(mesh)
+        else:
+            layout_map = backbone_class.get_layout_map(mesh)
         keras.distribution.set_distribution(
             keras.distribution.ModelParallel(
-                layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
-                batch_dim_name="batch",
+                layout_map=layout_map, batch_dim_name="batch"
             )
         )
-    model = keras_hub.models.GemmaCausalLM.from_preset(
-        args.preset, preprocessor=None
-    )
+    model = lm_class.from_preset(args.preset, preprocessor=None)
     stage("load")
     if args.verify:
         # A run of its own: every process reads every whole value (a
@@ -166,14 +212,14 @@ def _save(model, args, stage):
     stage("save")
 
 
-def _save_preset(directory):
-    """Process of its own: a Gemma from GEMMA's config, saved as a preset."""
+def _save_preset(directory, name):
+    """Process of its own: a model from its config, saved as a preset."""
     import keras
-    import keras_hub
 
+    backbone_class, lm_class, config = _hub_classes(name)
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(**GEMMA)
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    backbone = backbone_class(**config)
+    model = lm_class(backbone=backbone, preprocessor=None)
     model.save_to_preset(directory)
 
 
@@ -195,6 +241,7 @@ def _run(args, workers, verify=False):
         "--preset",
         str(args.preset),
         *(["--verify"] if verify else []),
+        *(["--auto"] if args.auto else []),
         *(["--tensors"] if args.tensors else []),
         "--save-dir",
         str(args.save_dir),
@@ -209,7 +256,13 @@ def main():
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--model", choices=("mlp", "gemma"), default="mlp")
+    parser.add_argument("--model", choices=tuple(STAGES), default="mlp")
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="lay a keras-hub model out with kr.auto_layout_map (mistral "
+        "and gemma3 have no map of their own)",
+    )
     parser.add_argument("--preset", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--save-dir", default=None, help=argparse.SUPPRESS)
@@ -221,8 +274,13 @@ def main():
     )
     parser.add_argument("--save-preset", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.model in ("mistral", "gemma3") and not args.auto:
+        parser.error(
+            f"keras-hub's {args.model} has no layout map: pass --auto. "
+            f"Received: --model {args.model}"
+        )
     if args.save_preset:
-        _save_preset(args.save_preset)
+        _save_preset(args.save_preset, args.model)
         return
     if args.tensors:
         # Read by TensorFlow when it starts, in every process.
@@ -235,15 +293,23 @@ def main():
     print(label())
     with tempfile.TemporaryDirectory(prefix="kr_capacity_") as tmp:
         args.save_dir = tmp
-        if args.model == "gemma":
-            args.preset = os.path.join(tmp, "gemma")
+        if args.model in HUB:
+            args.preset = os.path.join(tmp, args.model)
             subprocess.run(
-                [sys.executable, __file__, "--save-preset", args.preset],
+                [
+                    sys.executable,
+                    __file__,
+                    "--save-preset",
+                    args.preset,
+                    "--model",
+                    args.model,
+                    *(["--auto"] if args.auto else []),
+                ],
                 check=True,
                 timeout=900,
             )
         runs = {n: _run(args, n) for n in counts}
-        if args.model == "gemma":
+        if args.model in HUB:
             for n in counts:
                 runs[n][0]["checksums"] = _run(args, n, verify=True)[0][
                     "checksums"
@@ -285,7 +351,7 @@ def main():
                 f"{statistics.median(ratio):.2f} of one device "
                 f"(min {min(ratio):.2f}, max {max(ratio):.2f})"
             )
-        if args.model == "gemma":
+        if args.model in HUB:
             continue
         ideal = 4 * parameters * 4 / n / 2**20
         print(
