@@ -37,8 +37,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check keras_replicator tests examples benchmarks docs
 
 # In-process tests run in TEST_JOBS pytest-xdist processes (a file's tests
-# stay together); multi-worker tests start their own processes, one at a time.
+# stay together, with their module-scoped runs). Multi-worker tests run in
+# MULTI_WORKER_JOBS: each starts its own processes on free ports (a port
+# taken meanwhile is retried), and run one at a time they keep about one
+# core of two busy (20 CPU minutes in 20 minutes: they wait for start-ups
+# over loopback, timeouts and signals), so two at a time use the other.
 TEST_JOBS ?= 2
+MULTI_WORKER_JOBS ?= 2
 
 # The documentation site, into site/. Strict: a broken link or anchor, or an
 # API entry that does not resolve, fails the build. Runs offline. (Not
@@ -49,7 +54,8 @@ docs: $(STAMP)
 test: $(STAMP) lint docs
 	$(BIN)/pytest -q --timeout=600 --durations=25 -m "not multi_worker" -n $(TEST_JOBS) --dist loadfile
 	# Exit code 5 means no multi-worker test was collected.
-	$(BIN)/pytest -q --timeout=600 --durations=25 -m multi_worker || test $$? -eq 5
+	$(BIN)/pytest -q --timeout=600 --durations=25 -m multi_worker \
+		-n $(MULTI_WORKER_JOBS) --dist loadfile || test $$? -eq 5
 
 # The other supported TensorFlow releases, each with the oldest Keras it
 # installs with, as TENSORFLOW/KERAS (`make test` runs the newest release

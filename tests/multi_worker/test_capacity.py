@@ -20,7 +20,7 @@ import keras, numpy as np, tensorflow as tf
 import keras_replicator as kr
 from tests.multi_worker import harness
 
-out = sys.argv[1]
+out, read_done = sys.argv[1], sys.argv[2]
 keras.distribution.initialize()
 devices = keras.distribution.list_devices()
 mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices)
@@ -54,8 +54,13 @@ if strategy.is_chief:
     except RuntimeError as error:
         report["alone"] = str(error)
     report["alone_seconds"] = time.monotonic() - started
+    open(read_done, "w").close()
 else:
-    time.sleep(20)  # Alive, elsewhere: the chief reads alone.
+    # Alive, elsewhere, until the chief's lone read has ended: only the
+    # read's own bound can end it. Bounded, should the chief never write.
+    deadline = time.monotonic() + 120
+    while not os.path.exists(read_done) and time.monotonic() < deadline:
+        time.sleep(0.1)
 harness.write_result(report)
 """
 
@@ -63,12 +68,14 @@ harness.write_result(report)
 @pytest.mark.multi_worker
 @pytest.mark.timeout(420)
 def test_every_process_saves_the_chief_writes_and_a_lone_read_fails(tmp_path):
+    saved = tmp_path / "saved"
+    saved.mkdir()
     results = harness.run_workers(
         WORKER,
         num_workers=2,
         replicas_per_worker=1,
         timeout=300,
-        args=[str(tmp_path)],
+        args=[str(saved), str(tmp_path / "read_done")],
     )
     chief, other = (r.result for r in results)
     # One device each, holding half of the hidden kernel (6, 8).
@@ -76,12 +83,13 @@ def test_every_process_saves_the_chief_writes_and_a_lone_read_fails(tmp_path):
     assert "alone" not in other
     assert "every process must read it" in chief["alone"]
     assert "Received: variable path='sequential/h/kernel'" in chief["alone"]
+    # Ended by its 5 s bound: the other process waited for it (120 s).
     assert chief["alone_seconds"] < 20
     trained = [np.asarray(w) for w in chief["weights"]]
     for a, b in zip(trained, other["weights"], strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     # Only the chief wrote: no lock error, no other file.
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in saved.iterdir()) == [
         "model.keras",
         "model.weights.h5",
     ]
@@ -120,12 +128,12 @@ def test_every_process_saves_the_chief_writes_and_a_lone_read_fails(tmp_path):
         keras.distribution.set_distribution(distribution)
         try:
             model = build()
-            model.load_weights(tmp_path / "model.weights.h5")
+            model.load_weights(saved / "model.weights.h5")
             loaded = model.get_weights()
         finally:
             keras.distribution.set_distribution(None)
         for a, b in zip(trained, loaded, strict=True):
             np.testing.assert_array_equal(a, b)
-    whole = keras.models.load_model(tmp_path / "model.keras")
+    whole = keras.models.load_model(saved / "model.keras")
     for a, b in zip(trained, whole.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -4,16 +4,16 @@ Workers run `workers/preempt_worker.py`, a plain `BackupAndRestore` fit,
 under `keras-replicator launch --workers 2 --max-restarts 1`:
 
 - worker 1 blocks in Python at step 10 (a callback that never returns;
-  its heartbeats go on) with `KERAS_REPLICATOR_HANG_SECONDS=20`: the stall
+  its heartbeats go on) with `KERAS_REPLICATOR_HANG_SECONDS=10`: the stall
   warning names it as behind, it prints its stack with its task id and
   exits 76, the launcher restarts the group, which resumes from the
   backup and ends with one device's weights;
-- the same run with the watchdog off still hangs 40 s after the block
+- the same run with the watchdog off still hangs 20 s after the block
   (so the first test can fail), and the launcher, killed then, leaves no
   worker;
-- no false alarm: worker 0 takes 15 s to trace its first step and its
-  first validation step and 15 s more to write its first backup, each
-  time with worker 1 waiting for it, under a 10 s timeout;
+- no false alarm: worker 0 takes 9 s to trace its first step and its
+  first validation step and 9 s more to write its first backup, each
+  time with worker 1 waiting for it, under a 6 s timeout;
 - in a real Jupyter kernel, a `LocalReplicator` fit stuck in a callback
   ends with a `RuntimeError` and the kernel trains again after it.
 
@@ -44,8 +44,12 @@ WORKER = harness.REPO_ROOT / "tests/multi_worker/workers/preempt_worker.py"
 GIL_WORKER = (
     harness.REPO_ROOT / "tests/multi_worker/workers" / "gil_block_worker.py"
 )
-HANG_SECONDS = "20"
+HANG_SECONDS = "10"
 GIL_HANG_SECONDS = 10
+# No false alarm: each untimed part (a trace, a save) sleeps 1.5 times the
+# timeout; the timed steps of this tiny model take milliseconds.
+UNTIMED_HANG_SECONDS = 6
+UNTIMED_SLEEP = 9
 BLOCKED_STEP = 10
 
 
@@ -188,7 +192,7 @@ def test_with_the_watchdog_off_the_same_run_hangs(tmp_path):
             assert run.proc.poll() is None, run.output()[-8000:]
             assert time.monotonic() < deadline, run.output()[-8000:]
             time.sleep(0.1)
-        # The watchdog above ends the same run about 20 s after the block;
+        # The watchdog above ends the same run about 10 s after the block;
         # this one still runs twice as long after it.
         time.sleep(2 * float(HANG_SECONDS))
         out = run.output()
@@ -211,18 +215,18 @@ def test_no_false_alarm_for_slow_tracing_validation_and_saves(
         replicas_per_worker=1,
         args=[str(tmp_path / "backup")],
         env={
-            env_names.HANG_SECONDS: "10",
+            env_names.HANG_SECONDS: str(UNTIMED_HANG_SECONDS),
             # Worker 0 only, so worker 1 waits for it in a collective.
-            "PREEMPT_SLOW_TRACE": "15",
-            "PREEMPT_SLOW_SAVE": "15",
+            "PREEMPT_SLOW_TRACE": str(UNTIMED_SLEEP),
+            "PREEMPT_SLOW_SAVE": str(UNTIMED_SLEEP),
             "PREEMPT_VALIDATE": "1",
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
         },
         timeout=300,
     )
     # Both traces (fit's first step, validation's) and the save were slow.
-    assert results[0].output.count("slow trace: 15 s") == 2
-    assert results[0].output.count("slow save: 15 s") == 1
+    assert results[0].output.count(f"slow trace: {UNTIMED_SLEEP} s") == 2
+    assert results[0].output.count(f"slow save: {UNTIMED_SLEEP} s") == 1
     for result in results:
         assert "keras-replicator watchdog" not in result.output, result.output
         ref.assert_weights(result.result, one_device)
