@@ -17,6 +17,7 @@ import pytest
 
 import keras_replicator as kr
 from keras_replicator._src.sharding import block_draw
+from keras_replicator._src.sharding import layout
 from keras_replicator._src.sharding import sharded
 from tests import helpers
 
@@ -252,3 +253,48 @@ def test_a_file_value_is_mapped_only_where_its_bytes_mean_it(tmp_path):
             g["big_endian"] = big
         os.replace(other, path)
         assert sharded.mapped_dataset(f["big_endian"]) is None
+
+
+def _resident_kib(path):
+    """This process's resident KiB of its mappings of the file `path`."""
+    total, current = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:
+                current = line.rstrip().endswith(str(path))
+            elif current and line.startswith("Rss:"):
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps"), reason="Linux's /proc only"
+)
+def test_a_block_of_a_mapped_file_leaves_none_of_its_pages_resident(
+    tmp_path,
+):
+    # A table cut along its hidden size: every page holds part of each
+    # block, so a plain slice makes the whole file resident.
+    full = np.arange(4096 * 1024, dtype="float32").reshape(4096, 1024)
+    path = tmp_path / "table.bin"
+    full.tofile(path)
+    mapped = np.memmap(path, dtype="float32", mode="r", shape=full.shape)
+    placement = layout.Placement(
+        path="table",
+        full_shape=full.shape,
+        mesh_shape=(1, 4),
+        axis_names=("batch", "model"),
+        dim_axes=(None, 1),
+        devices=tuple(f"/cpu:{i}" for i in range(4)),
+    )
+    for replica in range(4):
+        block = placement.block(mapped, replica)
+        np.testing.assert_array_equal(
+            block, full[:, replica * 256 : (replica + 1) * 256]
+        )
+        # A copy, so the map can close; and the file's 16 MiB are not held.
+        assert not isinstance(block, np.memmap)
+        assert _resident_kib(path) < 1024, _resident_kib(path)
+    mapped[:, :256].copy()
+    assert _resident_kib(path) > 8 * 1024  # What a plain slice holds.

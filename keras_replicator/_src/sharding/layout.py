@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
 
 import numpy as np
 import tensorflow as tf
@@ -78,7 +79,10 @@ class Placement:
     def block(self, full, replica: int):
         """Replica `replica`'s block of `full`: an array, dataset or tensor.
 
-        A NumPy array gives a view; an h5py dataset reads the block only.
+        A NumPy array gives a view; an h5py dataset reads the block only; a
+        file's memory map (`sharded.mapped_dataset`) gives a copy of the
+        block, read so that the file's pages do not stay in this process
+        (`_copy_from_map`).
         """
         begin = self.begin(replica)
         if not tf.is_tensor(full) and not isinstance(full, tf.Variable):
@@ -86,6 +90,8 @@ class Placement:
                 slice(b, b + n)
                 for b, n in zip(begin, self.local_shape, strict=True)
             )
+            if isinstance(full, np.memmap) and index:
+                return _copy_from_map(full, index)
             return full[index]
         return tf.slice(full, begin, self.local_shape)
 
@@ -201,3 +207,49 @@ def placement(path: str, shape, layout, mesh) -> Placement:
         dim_axes=tuple(dim_axes),
         devices=tuple(str(d) for d in np.asarray(mesh.devices).reshape(-1)),
     )
+
+
+# Rows of a mapped file copied between two releases of their pages.
+_MAP_CHUNK_BYTES = 8 << 20
+
+
+def _copy_from_map(full: np.memmap, index: tuple[slice, ...]) -> np.ndarray:
+    """A block of a file's memory map, copied; the file's pages let go.
+
+    A block that splits a row (a table cut along its hidden size) reads a
+    part of every page of the rows it spans: sliced as it is, the whole
+    table's pages would be resident in this process (and count in its
+    memory) until the map is closed. The block is copied a few MiB of rows
+    at a time instead, and the pages of those rows are released at once
+    (`madvise(MADV_DONTNEED)`: a read-only file map reads them again from
+    the file if touched, so nothing changes but the memory held).
+    """
+    view = full[index]
+    out = np.empty(view.shape, view.dtype)
+    mapping = getattr(full, "_mmap", None)
+    advise = getattr(mapping, "madvise", None)
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)
+    if (
+        advise is None
+        or dontneed is None
+        or full.ndim == 0
+        or not full.flags.c_contiguous
+    ):
+        out[...] = view
+        return out
+    row_bytes = full.strides[0]
+    rows = max(1, _MAP_CHUNK_BYTES // max(row_bytes, 1))
+    # Where the array's first byte is in the mapping (np.memmap maps from
+    # its offset rounded down to the allocation granularity).
+    lead = full.ctypes.data - np.frombuffer(mapping, np.uint8, 1).ctypes.data
+    first = index[0].start or 0
+    for start in range(0, view.shape[0], rows):
+        stop = min(start + rows, view.shape[0])
+        out[start:stop] = view[start:stop]
+        begin = lead + (first + start) * row_bytes
+        end = lead + (first + stop) * row_bytes
+        begin -= begin % mmap.PAGESIZE
+        end = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mapping))
+        if end > begin:
+            advise(dontneed, begin, end - begin)
+    return out
