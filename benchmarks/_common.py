@@ -181,11 +181,14 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def run_processes(command, workers, timeout=900):
+def run_processes(command, workers, timeout=900, mpiexec=False, env=None):
     """Runs `command` in one process, or N via `keras-replicator launch`.
 
     Each process prints one `RESULT <json>` line; N > 1 processes get one
-    device each (`--replicas-per-worker 1`).
+    device each (`--replicas-per-worker 1`). With `mpiexec`, the N
+    processes are `mpiexec -n N`'s (the mpiexec beside this Python) and
+    `env` (added to this environment, without its TF_CONFIG) says how many
+    replicas each runs.
 
     Returns:
         The parsed results, one per process.
@@ -193,7 +196,18 @@ def run_processes(command, workers, timeout=900):
     import json
     import sys
 
-    if workers > 1:
+    if mpiexec:
+        command = [
+            os.path.join(os.path.dirname(sys.executable), "mpiexec"),
+            "-n",
+            str(workers),
+            *command,
+        ]
+        env = {
+            **{k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+            **(env or {}),
+        }
+    elif workers > 1:
         launcher = os.path.join(
             os.path.dirname(sys.executable), "keras-replicator"
         )
@@ -208,12 +222,18 @@ def run_processes(command, workers, timeout=900):
             *command,
         ]
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, check=False
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
     )
+    # Each JSON after its "RESULT ": print() writes the newline apart, so
+    # under mpiexec two processes' results can share a line.
+    decoder = json.JSONDecoder()
     results = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for line in done.stdout.splitlines()
-        if "RESULT " in line
+        decoder.raw_decode(part)[0] for part in done.stdout.split("RESULT ")[1:]
     ]
     if done.returncode or len(results) != workers:
         raise RuntimeError(

@@ -60,7 +60,9 @@ MODES = ("model_parallel", "model_parallel_kernel", "data_parallel")
 
 def _task_index():
     config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    return int(config.get("task", {}).get("index", 0))
+    if "task" not in config:  # Under mpiexec (benchmarks/transport.py).
+        return int(os.environ.get("PMI_RANK", 0))
+    return int(config["task"].get("index", 0))
 
 
 def _worker(args):
