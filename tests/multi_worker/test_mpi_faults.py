@@ -42,3 +42,28 @@ def test_a_killed_rank_ends_the_mpi_job_with_no_process_left(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+def test_the_hang_watchdog_ends_an_mpi_job_blocked_in_mpi(tmp_path):
+    # Rank 1 blocks forever in Python at step 10; rank 0 waits for it in
+    # its next MPI collective, where its watchdog finds it.
+    run = harness.Background(
+        [*harness.mpiexec_command(2), str(WORKER), str(tmp_path / "backup")],
+        tmp_path,
+        "hang",
+        harness.mpiexec_env(
+            {
+                env_names.HANG_SECONDS: "8",
+                "PREEMPT_MARK_STEP": "10",
+                "PREEMPT_HANG_ONCE": str(tmp_path / "blocked"),
+            }
+        ),
+    )
+    code = run.wait(timeout=180)
+    out = run.output()
+    assert code == 76, out[-8000:]
+    assert (tmp_path / "blocked").exists()
+    assert "exiting with code 76" in out
+    assert "mpi_collectives" in out, out[-8000:]
