@@ -1,10 +1,11 @@
-"""`keras-replicator launch --transport mpi`: preemption and resume.
+"""`keras-replicator launch --transport mpi`: preemption, resume, restarts.
 
 One `mpiexec -n 2` starts the ranks (one replica each, collectives over
 mpi4py); a SIGTERM to the launcher reaches every rank through mpiexec's
 process group: each stops at the same step with a backup there, the
 launcher exits 75, and the same command resumes and ends with the weights
-of an uninterrupted run on 2 replicas. Workers run
+of an uninterrupted run on 2 replicas. With `--max-restarts`, a SIGKILLed
+rank fails mpiexec and the group starts again from its backup. Workers run
 `workers/preempt_worker.py`; each subprocess has a bounded timeout.
 """
 
@@ -87,4 +88,34 @@ def test_sigterm_to_the_mpi_launcher_saves_every_rank_and_resumes(tmp_path):
     for index in (0, 1):
         result = second.result(index)
         assert ref.step_of(result["trained"][0]) == saved
+        ref.assert_weights(result, reference.get_weights())
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(400)
+def test_mpi_launch_max_restarts_restarts_after_a_sigkill(tmp_path):
+    command = _launcher(tmp_path / "backup")
+    command.insert(command.index("--"), "--max-restarts=1")
+    run = harness.Background(
+        command,
+        tmp_path,
+        "restart",
+        harness.mpiexec_env(
+            {
+                env_names.PREEMPTION_CHECK_SECONDS: "0.05",
+                "PREEMPT_MARK_STEP": "10",
+                "PREEMPT_KILL_ONCE": str(tmp_path / "k"),
+            }
+        ),
+    )
+    assert run.wait(timeout=300) == 0, run.output()[-4000:]
+    assert "(restart 1 of 1)" in run.output()
+    reference = ref.build(kr.LocalReplicator(2))
+    reference.fit(
+        **ref.fit_inputs("arrays", None), epochs=ref.EPOCHS, verbose=0
+    )
+    for index in (0, 1):
+        result = run.result(index)
+        # The restarted group resumed at the epoch-end backup of epoch 1.
+        assert result["trained"][0] == [1, 0]
         ref.assert_weights(result, reference.get_weights())
