@@ -301,3 +301,20 @@ def test_parser_rejects_non_positive_replicas(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["demo", "--replicas", "0"])
     assert "Received: '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "option, received",
+    [
+        (("--replicas-per-worker", "2"), "Received: replicas_per_worker=2"),
+        (("--ps", "1"), "Received: ps=1"),
+    ],
+)
+def test_launch_mpi_refuses_what_mpi_cannot_carry(option, received, capsys):
+    code = cli.main(
+        ["launch", "--workers", "2", "--transport", "mpi", *option]
+        + ["--", sys.executable, "-c", "pass"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--transport mpi" in err and received in err

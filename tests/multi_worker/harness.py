@@ -107,8 +107,13 @@ def write_result(value: Any) -> None:
 
 
 def task_index() -> int:
-    """Called in a worker: its index in TF_CONFIG (0 if there is none)."""
+    """Called in a worker: its index in TF_CONFIG, else its MPI rank, else 0.
+
+    Under `mpiexec` (hydra sets PMI_RANK) the ranks have no TF_CONFIG.
+    """
     config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
+    if "task" not in config and "PMI_RANK" in os.environ:
+        return int(os.environ["PMI_RANK"])
     return int(config.get("task", {}).get("index", 0))
 
 

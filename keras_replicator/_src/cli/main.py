@@ -216,6 +216,7 @@ def _launch(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             swap_python=swap_python,
             quiet=tf_logs.quiet_wanted(args.verbose),
+            transport=args.transport,
         )
     except ValueError as e:
         print(f"keras-replicator launch: error: {e}", file=sys.stderr)
@@ -368,6 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="start every worker again (new ports) after one fails, up to R "
         "times, the hang watchdog's exit code 76 included; scripts resume "
         "from their BackupAndRestore backup",
+    )
+    launch.add_argument(
+        "--transport",
+        choices=("grpc", "mpi"),
+        default="grpc",
+        help="how workers exchange tensors: grpc (TF_CONFIG per worker) or "
+        "mpi (one mpiexec -n N, the one beside this Python or on PATH; one "
+        "rank and one replica per worker; collectives over mpi4py)",
     )
     launch.add_argument(
         "--no-python-swap",

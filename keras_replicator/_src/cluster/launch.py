@@ -42,6 +42,7 @@ from typing import TextIO
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import reaper as reaper_lib
 from keras_replicator._src.cluster import tf_logs
+from keras_replicator._src.cluster import transport as transport_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
 from keras_replicator._src.training import hang_watchdog
@@ -256,6 +257,7 @@ def launch(
     max_restarts: int = 0,
     swap_python: bool = True,
     quiet: bool = False,
+    transport: str = transport_lib.GRPC,
 ) -> int:
     """Runs `command` as `workers` local processes of one cluster.
 
@@ -281,6 +283,13 @@ def launch(
             task gets `TF_CPP_MIN_LOG_LEVEL=3` (unless the environment sets
             it), and the lines TensorFlow writes before that applies are
             dropped from the output (see `tf_logs`). Defaults to False.
+        transport: `"grpc"` (TF_CONFIG for every worker) or `"mpi"`: one
+            `mpiexec -n workers command` (the mpiexec beside
+            `sys.executable`, else on `PATH`; see `find_mpiexec`), one rank
+            and one replica per worker, whose collectives go over mpi4py.
+            Its process group gets the signals a worker would, so
+            preemption, restarts and the reaper work the same. Defaults to
+            `"grpc"`.
 
     A preemption signal to the launcher (SIGTERM, and those named by
     `KERAS_REPLICATOR_PREEMPTION_SIGNALS`, default `SIGTERM,SIGUSR1`) is
@@ -305,13 +314,23 @@ def launch(
     Raises:
         ValueError: If `command` is empty or names a script that does not
             exist, or `workers`, `ps` or `max_restarts` is out of range, or
-            `KERAS_REPLICATOR_PREEMPTION_SIGNALS` names no signal.
+            `KERAS_REPLICATOR_PREEMPTION_SIGNALS` names no signal, or
+            `transport="mpi"` with `ps` or more than one replica per
+            worker, or no mpiexec is found.
     """
     if not command:
         raise ValueError(_EMPTY_COMMAND)
     validation.check_positive_int("workers", workers)
     validation.check_non_negative_int("ps", ps)
     validation.check_non_negative_int("max_restarts", max_restarts)
+    mpiexec = None
+    if transport == transport_lib.MPI:
+        mpiexec = _check_mpi(replicas_per_worker, ps)
+    elif transport != transport_lib.GRPC:
+        raise ValueError(
+            f"`transport` must be one of {transport_lib.TRANSPORTS}. "
+            f"Received: transport={transport!r}"
+        )
     command, note = prepare_command(command, swap_python)
     if note:
         print(note, file=sys.stderr, flush=True)
@@ -333,6 +352,7 @@ def launch(
                 received,
                 reaper,
                 quiet,
+                mpiexec,
             )
             if code in (0, 130) or preempted or received:
                 return code
@@ -389,15 +409,77 @@ def _forwarding(signals, received: list[int]):
             signal.signal(sig, handler)
 
 
+def find_mpiexec() -> str | None:
+    """The environment's mpiexec: beside `sys.executable`, else on `PATH`.
+
+    Returns:
+        Its path, or None if there is none.
+    """
+    beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    return beside or shutil.which("mpiexec")
+
+
+def _check_mpi(replicas_per_worker, ps) -> str:
+    """Refuses what MPI cannot carry; returns the mpiexec to run."""
+    if replicas_per_worker not in (None, 1):
+        raise ValueError(
+            "`--transport mpi` carries one replica per process (one rank "
+            "per worker); use --workers for more replicas, or --transport "
+            "grpc. Received: replicas_per_worker="
+            f"{replicas_per_worker}"
+        )
+    if ps:
+        raise ValueError(
+            "`--transport mpi` runs synchronous workers only; parameter "
+            f"servers need --transport grpc. Received: ps={ps}"
+        )
+    found = find_mpiexec()
+    if found is None:
+        raise ValueError(
+            "`--transport mpi` starts the workers with mpiexec, but there "
+            f"is none beside {sys.executable} nor on PATH. Install an MPI "
+            "(`pip install mpich`, or load the site's MPI module) and "
+            "mpi4py. Received: transport='mpi'"
+        )
+    return found
+
+
+def _mpi_task(command, workers, mpiexec):
+    """(name, argv, env) of one `mpiexec -n workers command`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        # Ranks find each other through mpi4py (cluster/discovery.py); a
+        # TF_CONFIG from the launcher's shell would name another cluster.
+        if k != "TF_CONFIG"
+    }
+    env[transport_lib.ENV] = transport_lib.MPI
+    env[CPU_REPLICAS_ENV] = "1"
+    env[LAUNCHED_ENV] = "1"
+    return [("mpiexec", [mpiexec, "-n", str(workers), *command], env)]
+
+
 def _launch_once(
-    command, workers, replicas_per_worker, ps, out, received, reaper, quiet
+    command,
+    workers,
+    replicas_per_worker,
+    ps,
+    out,
+    received,
+    reaper,
+    quiet,
+    mpiexec=None,
 ):
     """One launch: its exit code, whether a port clashed, and was preempted."""
     ports = free_ports(workers)
     # With parameter servers, `command` runs on the chief only; workers and
-    # ps tasks run a bare TensorFlow server (SERVE_COMMAND).
+    # ps tasks run a bare TensorFlow server (SERVE_COMMAND). Under MPI one
+    # mpiexec starts every rank, in its own process group: signals to the
+    # group reach every rank, as they reach one worker under gRPC.
     tasks = (
-        _ps_tasks(command, workers, ps, replicas_per_worker)
+        _mpi_task(command, workers, mpiexec)
+        if mpiexec
+        else _ps_tasks(command, workers, ps, replicas_per_worker)
         if ps
         else [
             (
