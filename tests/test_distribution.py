@@ -556,6 +556,17 @@ def test_tf_train_checkpoint_holds_whole_values_and_export_is_refused(
     np.testing.assert_array_equal(kernel.numpy(), expected)
     with pytest.raises(NotImplementedError, match="SavedModel"):
         model.export(str(tmp_path / "exported"))
+    # An archive of the variables alone, too (Keras 3.16 converts each to
+    # its storage).
+    archive = keras.export.ExportArchive()
+    with pytest.raises(NotImplementedError, match="SavedModel"):
+        archive.add_variable_collection("weights", model.variables)
+        archive.add_endpoint(
+            "serve",
+            model.__call__,
+            input_signature=[tf.TensorSpec((None, 6), "int32")],
+        )
+        archive.write_out(str(tmp_path / "archive"))
 
 
 def test_bfloat16_weights_train_under_model_parallel_as_data_parallel():

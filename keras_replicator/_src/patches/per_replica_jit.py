@@ -50,9 +50,22 @@ normalization, `all_reduce` in a custom step, or another optimizer's
 `apply` gets a `RuntimeError` that says to use `jit_compile=False`.
 
 Every other model, strategy and setting takes Keras' stock `_make_function`
-unchanged. Composed here, as this patch owns `_make_function`: under our
-in-graph replicators every train and test step is marked as a Keras step
-(`core/replica_step.keras_step`), which decides its gradient convention.
+unchanged. Composed here, as this patch owns `_make_function`, under our
+in-graph replicators:
+
+- every train and test step is marked as a Keras step
+  (`core/replica_step.keras_step`), which decides its gradient convention;
+- Keras 3.16 (its nightly builds from 3.16.0.dev) reads the batch of a
+  one-step execution (`steps_per_execution=1`) eagerly
+  (`iterator.get_next_as_optional()` outside any `tf.function`) and passes
+  it to the traced step, which is then traced on each replica's own
+  shapes: on an uneven last batch replicas trace different programs (one
+  with a static batch, one without, or an empty replica's static 0, for
+  which Keras' `reduce_values` returns the empty vector as the loss, and
+  the loss tracker's mean of it is NaN). Replicas whose programs differ
+  disagree on the collectives they run. So, as Keras 3.10 to 3.15 do, the
+  function reads the batch inside the traced function (`_batch_in_graph`):
+  every replica's step is traced once, on the dataset's spec.
 
 `PATCH.pins` records the exact Keras source lines this relies on;
 `tests/test_patches.py` fails when a Keras upgrade changes them.
@@ -64,10 +77,12 @@ import functools
 
 import keras
 import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
+from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
 
 # The Keras source lines this module relies on, by module.
@@ -110,22 +125,79 @@ _MISSING = object()
 
 
 def _make_function(original, self, step_function):
-    if traits.is_in_graph(self.distribute_strategy):
-        # Every train/test step Keras starts is a Keras step, whatever the
-        # user's `train_step` is (decorated, a tf.function, assigned on the
-        # instance): optimizers in it follow one device's gradient
-        # convention (`patches/replica_mean.py`).
-        step_function = replica_step.keras_step(step_function)
-    if not _wants_per_replica_jit(self):
+    if not traits.is_in_graph(self.distribute_strategy):
         return original(self, step_function)
+    # Every train/test step Keras starts is a Keras step, whatever the
+    # user's `train_step` is (decorated, a tf.function, assigned on the
+    # instance): optimizers in it follow one device's gradient convention
+    # (`patches/replica_mean.py`).
+    step_function = replica_step.keras_step(step_function)
+    if not _wants_per_replica_jit(self):
+        return _batch_in_graph(
+            self, original(self, step_function), step_function
+        )
     saved = self._jit_compile
     # The stock function reads `self.jit_compile` once, when it wraps the
     # outer step in its tf.function: make that one a plain graph.
     self._jit_compile = False
     try:
-        return original(self, _compile_per_replica(self, step_function))
+        step_function = _compile_per_replica(self, step_function)
+        return _batch_in_graph(
+            self, original(self, step_function), step_function
+        )
     finally:
         self._jit_compile = saved
+
+
+def _batch_in_graph(model, function, step_function):
+    """`function`, reading a one-step execution's batch in its graph.
+
+    Keras 3.16's `_make_function` reads the batch of a one-step execution
+    eagerly and calls the traced step with it, so the step is traced on
+    each replica's own shapes (see the module docstring). This returns a
+    function that, for a distributed iterator and `steps_per_execution=1`,
+    runs Keras 3.15's one step instead: `iterator.get_next()` inside a
+    `tf.function`, then Keras' own `one_step_on_data` (the replicas'
+    `strategy.run` and `reduce_per_replica`), each replica traced on the
+    dataset's spec. The end of the data is Keras' `OutOfRangeError`, which
+    its epoch iterator takes for the end of the epoch. Anything else calls
+    `function`. Keras 3.10 to 3.15, and a model that runs eagerly: returns
+    `function` unchanged.
+    TODO: delete when Keras' one-step execution reads the batch in the
+    graph again, or traces it on the dataset's spec.
+    """
+    if versions.keras_before("3.16.0.dev0") or model.run_eagerly:
+        return function
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return tf_trainer.reduce_per_replica(outputs, strategy, "auto")
+
+    # As Keras' own: the whole step is XLA when `jit_compile` is still set
+    # here (one replica; several are compiled per replica, above).
+    one_step_on_data = model._autoconvert_optionals(
+        tf.function(
+            one_step_on_data,
+            reduce_retracing=True,
+            jit_compile=model.jit_compile,
+        )
+    )
+
+    @tf.function(reduce_retracing=True)
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_iterator(iterator):
+        return one_step_on_data(iterator.get_next())
+
+    def batch_in_graph(iterator):
+        if model.steps_per_execution == 1 and isinstance(
+            iterator, tf.distribute.DistributedIterator
+        ):
+            return one_step_on_iterator(iterator)
+        return function(iterator)
+
+    return batch_in_graph
 
 
 def _wants_per_replica_jit(model) -> bool:
@@ -253,9 +325,29 @@ PATCH = registry.register(
             ),
         ),
         applies_to=frozenset({"local", "multi_worker"}),
-        pins=tuple(
-            registry.Pin(module, lines)
-            for module, lines in _KERAS_SOURCE_LINES.items()
+        pins=(
+            *(
+                registry.Pin(module, lines)
+                for module, lines in _KERAS_SOURCE_LINES.items()
+            ),
+            # `_batch_in_graph` replaces Keras 3.16's eager read of a
+            # one-step execution's batch, and mirrors its `one_step_on_data`.
+            registry.Pin(
+                "keras.src.backend.tensorflow.trainer",
+                (
+                    "if self.steps_per_execution == 1:",
+                    "next_optional_inputs = iterator.get_next_as_optional()",
+                    "return one_step_on_data(next_optional_inputs.get_value())",
+                    'reduction="auto",',
+                    "one_step_on_data = self._autoconvert_optionals("
+                    "one_step_on_data)",
+                ),
+                attributes=(
+                    "reduce_per_replica",
+                    f"{keras_src.TF_TRAINER}._autoconvert_optionals",
+                ),
+                keras=">=3.16.0.dev0",
+            ),
         ),
         delete_when=(
             "Keras' `_make_function` jit-compiles each replica's step inside "

@@ -26,6 +26,11 @@ the replicator of a `ModelParallel` distribution (`distribution/runtime.py`):
   of Keras 3.12+'s whole NumPy copy.
 - `TFOptimizer._var_key` keys a sharded variable by its storage, as it
   keys every other variable.
+- A SavedModel (`model.export`, `tf.saved_model.save`) of a sharded
+  variable is refused (`NotImplementedError`): the variable's own SavedModel
+  methods refuse, and so, on Keras 3.16, does the TensorFlow backend's
+  export archive, which tracks the `tf.Variable` under each Keras variable
+  (its block storage) instead of the Keras variable.
 - `BaseOptimizer._clip_gradients` (`clipnorm`, `global_clipnorm`) takes the
   norms of the FULL gradients of sharded variables (a block's squares,
   summed over the replicas once per copy of the block), so clipping acts as
@@ -252,16 +257,36 @@ def _no_saved_model(name):
     def refuse(original, self, *args, **kwargs):
         if placements.of(self) is None:
             return original(self, *args, **kwargs)
-        raise NotImplementedError(
-            "Exporting a SavedModel (`model.export`, `tf.saved_model.save`) "
-            "of variables sharded by `keras.distribution.ModelParallel` is "
-            "not supported; save with `model.save` or `save_weights` (whole "
-            "values) and export from a model loaded on one device. "
-            f"Received: variable path={self.path!r}"
-        )
+        raise _saved_model_refused(self)
 
     refuse.__name__ = name
     return refuse
+
+
+def _saved_model_refused(variable) -> NotImplementedError:
+    return NotImplementedError(
+        "Exporting a SavedModel (`model.export`, `tf.saved_model.save`) "
+        "of variables sharded by `keras.distribution.ModelParallel` is "
+        "not supported; save with `model.save` or `save_weights` (whole "
+        "values) and export from a model loaded on one device. "
+        f"Received: variable path={variable.path!r}"
+    )
+
+
+def _export_track_layer(original, self, layer):
+    # Keras 3.16's archive would track each variable's storage: a sharded
+    # one's is its blocks, which a SavedModel would hold as one block.
+    for variable in layer.variables:
+        if placements.of(variable) is not None:
+            raise _saved_model_refused(variable)
+    return original(self, layer)
+
+
+def _export_convert_variable(original, self, backend_variable):
+    # `ExportArchive.add_variable_collection`, which unwraps the same way.
+    if placements.of(backend_variable) is not None:
+        raise _saved_model_refused(backend_variable)
+    return original(self, backend_variable)
 
 
 def _var_key(original, self, variable):
@@ -369,6 +394,28 @@ _LAYOUT_TARGETS = (
     else ()
 )
 
+if versions.keras_before("3.16.0.dev0"):
+    # Keras 3.10 to 3.15: the archive tracks the Keras variables, whose
+    # SavedModel methods refuse.
+    # TODO: delete when the oldest supported Keras is 3.16.
+    _EXPORT_TARGETS = ()
+else:
+    # Keras 3.16 (nightly builds from 3.16.0.dev): it tracks their storage.
+    from keras.src.backend.tensorflow import export as tf_export
+
+    _EXPORT_TARGETS = (
+        registry.Target(
+            tf_export.SavedModelExportArchive,
+            "_backend_track_layer",
+            _export_track_layer,
+        ),
+        registry.Target(
+            tf_export.SavedModelExportArchive,
+            "_convert_to_tf_variable",
+            _export_convert_variable,
+        ),
+    )
+
 
 def _h5_value(original, self, key):
     """A file value as a memory map under `ModelParallel`, else as stock."""
@@ -441,6 +488,7 @@ PATCH = registry.register(
             ),
             registry.Target(_Base, "_clip_gradients", _clip_gradients),
             *_LAYOUT_TARGETS,
+            *_EXPORT_TARGETS,
         ),
         applies_to=KINDS,
         pins=(
@@ -501,6 +549,25 @@ PATCH = registry.register(
             registry.Pin(
                 "keras.src.backend.tensorflow.optimizer",
                 ("return tf.clip_by_norm(values, self.clipnorm, axes)",),
+            ),
+            # Keras 3.16's archive tracks, and converts for
+            # `add_variable_collection`, each variable's storage.
+            registry.Pin(
+                "keras.src.backend.tensorflow.export",
+                (
+                    "variables = [v._value for v in layer.variables]",
+                    "return backend_variable._value",
+                ),
+                keras=">=3.16.0.dev0",
+            ),
+            registry.Pin(
+                "keras.src.export.saved_model_export_archive",
+                (
+                    "self._backend_track_layer(resource)",
+                    "tree.map_structure(self._convert_to_tf_variable, "
+                    "variables)",
+                ),
+                keras=">=3.16.0.dev0",
             ),
         ),
         delete_when=(
