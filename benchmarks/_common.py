@@ -269,3 +269,27 @@ def sharded_mlp(width, layers, processes):
         [keras.Input((width,))]
         + [keras.layers.Dense(width, name=f"d{i}") for i in range(layers)]
     )
+
+
+def relu_mlp(width):
+    """The 16.8M MLP of the speed benchmarks, compiled: seeded, Adam, mse.
+
+    4 x Dense(`width`) on `width` inputs, ReLU between (not after the
+    last), Adam(1e-3): `vs_jax.py`, `model_parallel_processes.py`,
+    `transport.py` and `profile_step.py` time the same model. Built under
+    whatever distribution or scope is current.
+    """
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [
+            keras.layers.Dense(
+                width, activation="relu" if i < 3 else None, name=f"d{i}"
+            )
+            for i in range(4)
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    return model

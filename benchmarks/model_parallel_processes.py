@@ -51,6 +51,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import label  # noqa: E402
+from _common import relu_mlp  # noqa: E402
 from _common import run_processes  # noqa: E402
 from _common import summary  # noqa: E402
 
@@ -103,17 +104,7 @@ def _worker(args):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
     y = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [keras.Input((w,))]
-        + [
-            keras.layers.Dense(
-                w, activation="relu" if i < 3 else None, name=f"d{i}"
-            )
-            for i in range(4)
-        ]
-    )
-    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    model = relu_mlp(w)
     ends = []
 
     class Clock(keras.callbacks.Callback):

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import vs_jax  # noqa: E402
 from _common import label  # noqa: E402
+from _common import relu_mlp  # noqa: E402
 
 
 def _profile(case, steps, folder):
@@ -48,21 +49,7 @@ def _profile(case, steps, folder):
     rows = vs_jax.GLOBAL_BATCH * steps
     x = rng.normal(size=(rows, vs_jax.WIDTH)).astype("float32")
     y = rng.normal(size=(rows, vs_jax.WIDTH)).astype("float32")
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [
-            keras.Input((vs_jax.WIDTH,)),
-            *(
-                keras.layers.Dense(
-                    vs_jax.WIDTH,
-                    activation="relu" if i < 3 else None,
-                    name=f"d{i}",
-                )
-                for i in range(4)
-            ),
-        ]
-    )
-    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    model = relu_mlp(vs_jax.WIDTH)
     fit = dict(batch_size=vs_jax.GLOBAL_BATCH, shuffle=False, verbose=0)
     model.fit(x, y, epochs=2, **fit)
     tf.profiler.experimental.start(folder)

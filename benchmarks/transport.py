@@ -41,6 +41,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import label  # noqa: E402
+from _common import relu_mlp  # noqa: E402
 from _common import run_processes  # noqa: E402
 from _common import summary  # noqa: E402
 from _common import timed  # noqa: E402
@@ -148,17 +149,7 @@ def _fit_worker(args):
     x = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
     y = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
     with replicator.scope():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential(
-            [keras.Input((w,))]
-            + [
-                keras.layers.Dense(
-                    w, activation="relu" if i < 3 else None, name=f"d{i}"
-                )
-                for i in range(4)
-            ]
-        )
-        model.compile(keras.optimizers.Adam(1e-3), "mse")
+        model = relu_mlp(w)
     ends, losses = [], []
 
     class Clock(keras.callbacks.Callback):
