@@ -29,6 +29,7 @@ ranks are the replicas, so no local sum precedes the exchange.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -275,8 +276,17 @@ def _sum_arrays(arrays, timeout):
         buffer = _aligned(total, dtype)
         for i, start in zip(indices, offsets, strict=True):
             buffer[start : start + arrays[i].size] = arrays[i].reshape(-1)
-        _when_all_arrived(comm, timeout, f"an all-reduce of {dtype}")
-        comm.Allreduce(MPI.IN_PLACE, buffer, MPI.SUM)
+        what = f"an all-reduce of {dtype}"
+        if buffer.nbytes <= _SMALL:
+            _wait(
+                comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.SUM),
+                comm,
+                timeout,
+                what,
+            )
+        else:
+            _when_all_arrived(comm, timeout, what)
+            comm.Allreduce(MPI.IN_PLACE, buffer, MPI.SUM)
         for i, start in zip(indices, offsets, strict=True):
             a = arrays[i]
             out[i] = buffer[start : start + a.size].reshape(a.shape)
@@ -286,13 +296,17 @@ def _sum_arrays(arrays, timeout):
 def _gather_array(array, timeout, equal=False):
     """Concatenates every rank's `array` along axis 0."""
     comm = _comm()
-    _when_all_arrived(comm, timeout, "an all-gather")
     send = np.ascontiguousarray(array).reshape(-1)
     if equal:
         out = _aligned(send.size * comm.Get_size(), array.dtype)
-        comm.Allgather(send, out)
+        if out.nbytes <= _SMALL:
+            _wait(comm.Iallgather(send, out), comm, timeout, "an all-gather")
+        else:
+            _when_all_arrived(comm, timeout, "an all-gather")
+            comm.Allgather(send, out)
         rows = array.shape[0] * comm.Get_size() if array.ndim else -1
         return out.reshape((rows, *array.shape[1:]) if array.ndim else -1)
+    _when_all_arrived(comm, timeout, "an all-gather")
     rows = comm.allgather(array.shape[0] if array.ndim else 1)
     row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
     counts = [r * row for r in rows]
@@ -306,29 +320,56 @@ def _when_all_arrived(comm, timeout, what):
 
     MPICH waits in a blocking call by spinning on a core. A rank that
     arrives first would spin while the others still compute their step on
-    the same cores, so every rank first waits for the others here, at a
-    non-blocking barrier, sleeping between polls; the blocking collective
-    after it only moves bytes. With a timeout, the wait is bounded.
+    the same cores, so before a large collective every rank first waits
+    for the others here, at a non-blocking barrier (`_wait`); the blocking
+    collective after it only moves bytes. With a timeout, the wait is
+    bounded.
     """
-    request = comm.Ibarrier()
+    _wait(comm.Ibarrier(), comm, timeout, what)
+
+
+def _wait(request, comm, timeout, what):
+    """Polls `request` until it completes, giving the core away as it waits.
+
+    A small collective is started non-blocking and polled here itself: one
+    exchange, where a barrier first would be two. The polls spin briefly
+    (a peer a few microseconds behind), then yield the core to whatever
+    else is runnable on it (the peer, on an oversubscribed host) for up to
+    `_YIELD_SECONDS`, then sleep between polls, longer and longer: a peer
+    a step behind costs a core nothing. Every poll also moves the
+    collective on (MPI progresses a non-blocking call when it is tested).
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
     polls = 0
+    yield_until = None
     while not request.Test():
         polls += 1
         if polls < _SPINS:
             continue
-        if deadline is not None and time.monotonic() > deadline:
+        now = time.monotonic()
+        if yield_until is None:
+            yield_until = now + _YIELD_SECONDS
+        if deadline is not None and now > deadline:
             raise TimeoutError(
                 f"The MPI transport waited {timeout:g} s for the other ranks "
                 f"at {what} on rank {comm.Get_rank()} of {comm.Get_size()}: "
                 "a peer is stuck or gone (collective_timeout_seconds)."
             )
-        time.sleep(min(_NAP * 2 ** ((polls - _SPINS) // 8), _MAX_NAP))
+        if now < yield_until:
+            os.sched_yield()
+        else:
+            naps = polls - _SPINS
+            time.sleep(min(_NAP * 2 ** (naps // 64), _MAX_NAP))
 
 
-# Polls of the barrier before sleeping, and the sleeps between later polls
-# (doubling every 8 polls up to the longest): a peer a few microseconds
-# behind costs no sleep, one a step behind costs a core nothing.
+# Polls before yielding; how long polls yield the core before they sleep;
+# the sleeps between later polls (doubling every 64 polls up to the
+# longest). A collective up to _SMALL bytes is polled itself; a larger one
+# waits at a barrier, then moves its bytes in one blocking call (MPI
+# progresses a non-blocking call only when tested, so a large one polled
+# between sleeps would move slowly).
 _SPINS = 64
+_YIELD_SECONDS = 2e-3
 _NAP = 2e-5
 _MAX_NAP = 5e-4
+_SMALL = 1 << 20
