@@ -29,7 +29,9 @@ ranks are the replicas, so no local sum precedes the exchange.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -350,6 +352,7 @@ def _wait(request, comm, timeout, what):
         if yield_until is None:
             yield_until = now + _YIELD_SECONDS
         if deadline is not None and now > deadline:
+            _abort_at_exit(comm)
             raise TimeoutError(
                 f"The MPI transport waited {timeout:g} s for the other ranks "
                 f"at {what} on rank {comm.Get_rank()} of {comm.Get_size()}: "
@@ -361,6 +364,34 @@ def _wait(request, comm, timeout, what):
             naps = polls - _SPINS
             time.sleep(min(_NAP * 2 ** (naps // 64), _MAX_NAP))
 
+
+def _abort_at_exit(comm) -> None:
+    """Ends the MPI job when this process exits, once a collective is left.
+
+    A collective that timed out stays pending: MPI cannot cancel it, and
+    MPI_Finalize (mpi4py's, at exit) would wait for it, so this process
+    would outlive its error for as long as the stuck peer. At exit (before
+    mpi4py finalizes) it aborts the job instead: the launcher (mpiexec,
+    srun) then ends every rank, the stuck one too.
+    """
+    global _ABORT_REGISTERED
+    if _ABORT_REGISTERED:
+        return
+    _ABORT_REGISTERED = True
+
+    def abort():
+        sys.stderr.write(
+            "keras-replicator: an MPI collective timed out and is still "
+            "pending; MPI cannot finalize with it, so this rank aborts the "
+            "MPI job (MPI_Abort, exit code 1).\n"
+        )
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    atexit.register(abort)
+
+
+_ABORT_REGISTERED = False
 
 # Polls before yielding; how long polls yield the core before they sleep;
 # the sleeps between later polls (doubling every 64 polls up to the

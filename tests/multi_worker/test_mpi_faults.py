@@ -2,19 +2,24 @@
 
 A rank SIGKILLed mid-fit ends the whole job (hydra's mpiexec ends the other
 rank, which would wait forever in its next MPI call) within a bounded time,
-with no process left. Workers run `workers/preempt_worker.py`; each
-subprocess has a bounded timeout.
+with no process left. A sum whose peer never comes ends within
+`collective_timeout_seconds`, with an error naming it, and the job ends.
+Workers run `workers/preempt_worker.py`; each subprocess has a bounded
+timeout.
 """
 
 import os
+import re
 import signal
+import time
 
 import pytest
 
 from keras_replicator._src.core import env as env_names
 from tests.multi_worker import harness
 
-WORKER = harness.REPO_ROOT / "tests/multi_worker/workers/preempt_worker.py"
+WORKERS = harness.REPO_ROOT / "tests/multi_worker/workers"
+WORKER = WORKERS / "preempt_worker.py"
 pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data")
 
 
@@ -67,3 +72,38 @@ def test_the_hang_watchdog_ends_an_mpi_job_blocked_in_mpi(tmp_path):
     assert (tmp_path / "blocked").exists()
     assert "exiting with code 76" in out
     assert "mpi_collectives" in out, out[-8000:]
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("elements", [1024, 1 << 20], ids=["4KB", "4MB"])
+def test_collective_timeout_ends_a_sum_whose_peer_never_comes(
+    elements, tmp_path
+):
+    # 4 KB is polled by itself; 4 MB waits at the barrier before the call.
+    start = time.monotonic()
+    result = harness.mpiexec(
+        WORKERS / "mpi_collective_timeout.py",
+        5,
+        elements,
+        tmp_path / "ended",
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    log = result.stdout[-2000:] + result.stderr[-2000:]
+    assert (tmp_path / "ended").exists(), log
+    out = (tmp_path / "ended").read_text()
+    assert result.returncode != 0, log
+    assert "UNEXPECTED" not in result.stdout
+    found = re.search(r"ENDED after ([\d.]+) s: ", out)
+    assert found, out[-4000:]
+    assert (
+        "TimeoutError: The MPI transport waited 5 s for the other ranks at "
+        "an all-reduce of float32 on rank 0 of 2: a peer is stuck or gone "
+        "(collective_timeout_seconds)."
+    ) in out, out[-4000:]
+    assert float(found.group(1)) < 5 + 10, found.group(0)
+    # The pending sum would hold MPI_Finalize until rank 1 woke (300 s):
+    # rank 0 aborts the job at exit instead, and mpiexec ends rank 1. (Its
+    # line saying so may be lost with the abort: the time is the check.)
+    assert elapsed < 90, elapsed
