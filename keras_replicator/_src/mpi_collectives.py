@@ -278,17 +278,14 @@ def _sum_arrays(arrays, timeout):
         buffer = _aligned(total, dtype)
         for i, start in zip(indices, offsets, strict=True):
             buffer[start : start + arrays[i].size] = arrays[i].reshape(-1)
-        what = f"an all-reduce of {dtype}"
-        if buffer.nbytes <= _SMALL:
-            _wait(
-                comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.SUM),
-                comm,
-                timeout,
-                what,
-            )
-        else:
-            _when_all_arrived(comm, timeout, what)
-            comm.Allreduce(MPI.IN_PLACE, buffer, MPI.SUM)
+        _exchange(
+            comm,
+            buffer.nbytes,
+            lambda b=buffer: comm.Iallreduce(MPI.IN_PLACE, b, MPI.SUM),
+            lambda b=buffer: comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM),
+            timeout,
+            f"an all-reduce of {dtype}",
+        )
         for i, start in zip(indices, offsets, strict=True):
             a = arrays[i]
             out[i] = buffer[start : start + a.size].reshape(a.shape)
@@ -301,11 +298,14 @@ def _gather_array(array, timeout, equal=False):
     send = np.ascontiguousarray(array).reshape(-1)
     if equal:
         out = _aligned(send.size * comm.Get_size(), array.dtype)
-        if out.nbytes <= _SMALL:
-            _wait(comm.Iallgather(send, out), comm, timeout, "an all-gather")
-        else:
-            _when_all_arrived(comm, timeout, "an all-gather")
-            comm.Allgather(send, out)
+        _exchange(
+            comm,
+            out.nbytes,
+            lambda: comm.Iallgather(send, out),
+            lambda: comm.Allgather(send, out),
+            timeout,
+            "an all-gather",
+        )
         rows = array.shape[0] * comm.Get_size() if array.ndim else -1
         return out.reshape((rows, *array.shape[1:]) if array.ndim else -1)
     _when_all_arrived(comm, timeout, "an all-gather")
@@ -315,6 +315,20 @@ def _gather_array(array, timeout, equal=False):
     out = _aligned(sum(counts), array.dtype)
     comm.Allgatherv(send, (out, counts))
     return out.reshape((sum(rows), *array.shape[1:]) if array.ndim else -1)
+
+
+def _exchange(comm, nbytes, start, call, timeout, what):
+    """Runs one collective: polled if small, after a barrier if large.
+
+    `start` begins it non-blocking (returns its request); `call` runs it
+    blocking. Up to `_SMALL` bytes it is polled itself (`_wait`); larger,
+    every rank first waits for the others (`_when_all_arrived`).
+    """
+    if nbytes <= _SMALL:
+        _wait(start(), comm, timeout, what)
+    else:
+        _when_all_arrived(comm, timeout, what)
+        call()
 
 
 def _when_all_arrived(comm, timeout, what):
@@ -337,8 +351,8 @@ def _wait(request, comm, timeout, what):
     exchange, where a barrier first would be two. The polls spin briefly
     (a peer a few microseconds behind), then yield the core to whatever
     else is runnable on it (the peer, on an oversubscribed host) for up to
-    `_YIELD_SECONDS`, then sleep between polls, longer and longer: a peer
-    a step behind costs a core nothing. Every poll also moves the
+    `_YIELD_SECONDS`, then sleep `_NAP` between polls: a peer a step
+    behind costs a core nothing. Every poll also moves the
     collective on (MPI progresses a non-blocking call when it is tested).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -361,8 +375,7 @@ def _wait(request, comm, timeout, what):
         if now < yield_until:
             os.sched_yield()
         else:
-            naps = polls - _SPINS
-            time.sleep(min(_NAP * 2 ** (naps // 64), _MAX_NAP))
+            time.sleep(_NAP)
 
 
 def _abort_at_exit(comm) -> None:
@@ -394,13 +407,11 @@ def _abort_at_exit(comm) -> None:
 _ABORT_REGISTERED = False
 
 # Polls before yielding; how long polls yield the core before they sleep;
-# the sleeps between later polls (doubling every 64 polls up to the
-# longest). A collective up to _SMALL bytes is polled itself; a larger one
-# waits at a barrier, then moves its bytes in one blocking call (MPI
-# progresses a non-blocking call only when tested, so a large one polled
-# between sleeps would move slowly).
+# the sleep between later polls. A collective up to _SMALL bytes is polled
+# itself; a larger one waits at a barrier, then moves its bytes in one
+# blocking call (MPI progresses a non-blocking call only when tested, so
+# a large one polled between sleeps would move slowly).
 _SPINS = 64
 _YIELD_SECONDS = 2e-3
-_NAP = 2e-5
-_MAX_NAP = 5e-4
+_NAP = 5e-4
 _SMALL = 1 << 20
