@@ -72,8 +72,11 @@ class _BlockAt(keras.callbacks.Callback):
             threading.Event().wait()
 
 
-def test_a_stuck_callback_ends_the_fit_with_a_clear_error(capfd):
-    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+def test_a_stuck_callback_ends_the_fit_with_a_clear_error(capfd, monkeypatch):
+    # None reads the variable at each loop's start: the whole fit after the
+    # fire runs with the watchdog off, so a busy core cannot fire it.
+    model = _model(kr.LocalReplicator(2, hang_seconds=None))
+    monkeypatch.setenv(env.HANG_SECONDS, str(HANG))
     x, y = _data()
     with pytest.raises(RuntimeError, match="hang watchdog stopped this fit"):
         model.fit(x, y, batch_size=8, callbacks=[_BlockAt(3)], verbose=0)
@@ -85,6 +88,7 @@ def test_a_stuck_callback_ends_the_fit_with_a_clear_error(capfd):
     assert "in on_train_batch_end" in err
     assert "interrupting the fit loop" in err
     # The process goes on: the same model trains again.
+    monkeypatch.setenv(env.HANG_SECONDS, "0")
     model.fit(x, y, batch_size=8, verbose=0)
 
 
@@ -244,10 +248,15 @@ def test_what_is_not_timed_is_bounded_at_five_timeouts(
     )
 
 
-def test_evaluate_and_predict_are_watched(capfd):
-    model = _model(kr.LocalReplicator(2, hang_seconds=HANG))
+def test_evaluate_and_predict_are_watched(capfd, monkeypatch):
+    # The fit that trains first runs with the watchdog off (None reads the
+    # variable at each loop's start): a busy core stalling its epoch's end
+    # past 2 s must not be what fires.
+    model = _model(kr.LocalReplicator(2, hang_seconds=None))
     x, y = _data()
+    monkeypatch.setenv(env.HANG_SECONDS, "0")
     model.fit(x, y, batch_size=8, verbose=0)
+    monkeypatch.setenv(env.HANG_SECONDS, str(HANG))
 
     class BlockTest(keras.callbacks.Callback):
         def on_test_batch_end(self, batch, logs=None):
