@@ -19,7 +19,7 @@ gave a remat mode keeps it.
 An embedding lookup is not rematerialised: its gradient needs only the ids,
 not the table, so there is nothing to free, and `tf.recompute_grad` would
 turn its sparse gradient dense (one device's optimizer sees the sparse
-rows; Adam's numbers differ). A tied embedding (keras-hub's
+rows; Adam's numbers differ). A tied embedding (Keras' or keras-hub's
 `ReversibleEmbedding` with `tie_weights=True`) also multiplies by the
 table: that product is `sharding/contraction`'s op, which keeps no full
 table for the backward pass, so it is not rematerialised either (unless it
@@ -90,13 +90,14 @@ def _sparse_lookup(layer) -> bool:
         return False
     if not getattr(layer, "tie_weights", False):
         return True
-    # keras-hub's tied `ReversibleEmbedding` multiplies by the table as
-    # `ops.matmul(x, ops.transpose(table))`, which `sharding/contraction`
+    # A tied `ReversibleEmbedding` (`keras.layers.ReversibleEmbedding`,
+    # which keras-hub's BERT builds, or keras-hub's own) multiplies by the
+    # table as `ops.matmul(x, ops.transpose(table))`, which `sharding/contraction`
     # makes one op (the table is never held for the backward pass), unless
     # it casts the table first (`reverse_dtype`).
     return (
         type(layer).__name__ == "ReversibleEmbedding"
-        and type(layer).__module__.startswith("keras_hub.")
+        and type(layer).__module__.startswith(("keras_hub.", "keras.src."))
         and getattr(layer, "reverse_dtype", "unknown") is None
     )
 
