@@ -91,10 +91,11 @@ def _sparse_lookup(layer) -> bool:
     if not getattr(layer, "tie_weights", False):
         return True
     # A tied `ReversibleEmbedding` (`keras.layers.ReversibleEmbedding`,
-    # which keras-hub's BERT builds, or keras-hub's own) multiplies by the
-    # table as `ops.matmul(x, ops.transpose(table))`, which `sharding/contraction`
-    # makes one op (the table is never held for the backward pass), unless
-    # it casts the table first (`reverse_dtype`).
+    # which keras-hub's Gemma, Mistral and BERT build, or keras-hub's own)
+    # multiplies by the table as `ops.matmul(x, ops.transpose(table))`,
+    # which `sharding/contraction` makes one op (the table is never held
+    # for the backward pass), unless it casts the table first
+    # (`reverse_dtype`).
     return (
         type(layer).__name__ == "ReversibleEmbedding"
         and type(layer).__module__.startswith(("keras_hub.", "keras.src."))
