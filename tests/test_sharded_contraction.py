@@ -413,7 +413,11 @@ def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
             16, drop_remainder=True
         )
     else:
+        # Through a transformation the batch hint does not follow
+        # (`contraction.batch_hint`): batches of a size unknown to the
+        # loop, so the path is chosen in the graph.
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        data = data.apply(tf.data.experimental.assert_cardinality(4))
     layouts = {
         ".*d0/kernel": (None, "model"),
         ".*d1/kernel": ("model", None),
@@ -498,3 +502,51 @@ def test_the_path_is_chosen_by_bytes(policy, moves, chosen):
     finally:
         keras.config.set_dtype_policy(saved)
     assert chosen and all(moving is moves for moving in chosen), chosen
+
+
+@pytest.mark.parametrize(
+    "data, when",
+    [
+        ("arrays", "traced"),
+        # As keras-hub's tasks feed arrays: batched, mapped, prefetched.
+        ("batched", "traced"),
+        ("unknown", "graph"),
+    ],
+)
+def test_a_known_global_batch_chooses_the_path_when_traced(data, when, chosen):
+    # The step's batch dimension is None (the last batch may be smaller);
+    # with the loop's global batch known, each product still picks its
+    # path when traced, from a full batch's rows, and traces one path.
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {".*d/kernel": (None, "model")})
+    )
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(64, name="d")]
+    )
+    model.compile("sgd", "mse")
+    x = np.ones((40, 64), "float32")
+    kwargs = {}
+    if data == "arrays":
+        inputs = (x, x)
+        kwargs["batch_size"] = 16
+    elif data == "batched":
+        inputs = (
+            tf.data.Dataset.from_tensor_slices((x, x))
+            .batch(16)
+            .map(lambda a, b: (a, b), num_parallel_calls=tf.data.AUTOTUNE)
+            .prefetch(2),
+        )
+    else:
+        # A transformation the hint does not follow: an unknown batch.
+        inputs = (
+            tf.data.Dataset.from_tensor_slices((x, x))
+            .batch(16)
+            .apply(tf.data.experimental.assert_cardinality(3)),
+        )
+    model.fit(*inputs, verbose=0, shuffle=False, **kwargs)
+    assert chosen, chosen
+    if when == "traced":
+        # 16 rows of 64 + 64 floats against a 64 x 64 kernel: rows move.
+        assert all(moving is True for moving in chosen), chosen
+    else:
+        assert all(tf.is_tensor(moving) for moving in chosen), chosen

@@ -18,7 +18,9 @@ Several behaviours need these entry points, and one patch owns them:
   blocks refuses `jit_compile=True` (`NotImplementedError`): XLA on a
   replica cannot hold the all-gathers that read those variables. Keras'
   own `"auto"` resolves to False under tf.distribute. Its layers that own
-  such variables are rematerialised for `fit` (`sharding/remat.py`).
+  such variables are rematerialised for `fit` (`sharding/remat.py`), and
+  for array data or a batched dataset its products learn the global batch
+  (`sharding/contraction.batch_hint`): each chooses its path when traced.
 - Under `keras.distribution` (`DataParallel`, `ModelParallel`),
   `BatchNormalization` normalizes over the global batch in `fit`, as on
   JAX (`layers/cross_replica_batch_norm.global_moments`).
@@ -34,6 +36,9 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+import tensorflow as tf
+
 from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
@@ -42,6 +47,7 @@ from keras_replicator._src.layers import global_dropout
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
+from keras_replicator._src.sharding import contraction
 from keras_replicator._src.sharding import remat
 from keras_replicator._src.sharding import report
 from keras_replicator._src.training import hang_watchdog
@@ -63,6 +69,53 @@ def _arguments(original, model, args, kwargs) -> dict:
     arguments.pop("self")
     arguments.update(arguments.pop("kwargs", {}))
     return arguments
+
+
+def _global_batch(arguments) -> int | None:
+    """The global batch Keras' loop will step through, if known; else None.
+
+    Array data is cut into `batch_size` rows (Keras' default 32). A
+    `tf.data.Dataset` made by `.batch(n)` (keras-hub's tasks make one from
+    arrays) has batches of `n` rows, the last maybe fewer: its pipeline is
+    followed back through transformations that keep the batch to the
+    `batch` that made it. Anything else (a generator, a `PyDataset`, a
+    dataset unbatched or rebatched after) is unknown. Only a product's
+    path depends on this (`contraction.batch_hint`), never a number.
+    """
+    x = arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        return _dataset_batch(x)
+    leaves = list(x.values()) if isinstance(x, dict) else (
+        list(x) if isinstance(x, (list, tuple)) else [x]
+    )
+    if not leaves or not all(
+        isinstance(leaf, np.ndarray) or tf.is_tensor(leaf) for leaf in leaves
+    ):
+        return None
+    batch = arguments.get("batch_size") or 32
+    return batch if isinstance(batch, int) and batch > 0 else None
+
+
+# Dataset transformations that keep each element's batch dimension.
+_KEEPS_BATCH = frozenset({
+    "_MapDataset", "_ParallelMapDataset", "_PrefetchDataset",
+    "_RepeatDataset", "_TakeDataset", "_SkipDataset", "_ShuffleDataset",
+    "_CacheDataset", "_FilterDataset", "_OptionsDataset",
+    "_IgnoreErrorsDataset", "_ShardDataset",
+})  # fmt: skip
+_BATCHES = frozenset({"_BatchDataset", "_ParallelBatchDataset"})
+
+
+def _dataset_batch(dataset) -> int | None:
+    for _ in range(64):
+        kind = type(dataset).__name__
+        if kind in _BATCHES:
+            batch = tf.get_static_value(getattr(dataset, "_batch_size", None))
+            return int(batch) if batch is not None and batch > 0 else None
+        if kind not in _KEEPS_BATCH:
+            return None
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
 
 
 def _check_jit(model, name):
@@ -110,19 +163,26 @@ def _dispatch(name):
         if not traits.is_in_graph(strategy):
             return original(self, *args, **kwargs)
         _check_jit(self, name)
-        if name == "fit" and placements.any_sharded(self.variables):
+        sharded = placements.any_sharded(self.variables)
+        if name == "fit" and sharded:
             remat.rematerialize(self)
         if name == "fit":
             # Once per model: what its ModelParallel layout map missed.
             report.warn_once(self)
+        hint = contraction.batch_hint(
+            strategy,
+            _global_batch(_arguments(original, self, args, kwargs))
+            if sharded
+            else None,
+        )
         if name == "fit":
             _batch_statistics(self, strategy)
-            with preemption.fit_scope(self):
+            with preemption.fit_scope(self), hint:
                 with hang_watchdog.watching(
                     strategy, name, preemption.position(self)
                 ):
                     return original(self, *args, **kwargs)
-        with hang_watchdog.watching(strategy, name):
+        with hang_watchdog.watching(strategy, name), hint:
             return original(self, *args, **kwargs)
 
     method.__name__ = name

@@ -12,8 +12,11 @@ tied embedding's logits) and `ops.einsum(equation, x, kernel)` (Dense,
 EinsumDense, keras-hub's attention and feed-forward layers) by a sharded
 kernel are one op with its own gradient, and take one of two paths, chosen
 by the step's rows: when traced if the batch's shape is known then (the
-same on every replica, as Keras splits a global batch), else in the graph
-(`tf.cond` on the gathered row counts, the same on every replica):
+same on every replica, as Keras splits a global batch), or if Keras' loop
+was given the global batch size of array data (`batch_hint`: a full batch's
+rows; a smaller last batch takes the same path, which is as exact), else
+in the graph (`tf.cond` on the gathered row counts, the same on every
+replica, at the cost of tracing both paths):
 
 - **Activations move** when the whole mesh's rows are fewer bytes than the
   kernel (`N x rows x (row of x + row of y)` in the compute dtype `<=` the
@@ -52,6 +55,7 @@ exactly. Anything else is left to the stock op and `sharded.gathered`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -323,13 +327,16 @@ def contract(
         # Bytes, not values: under mixed precision rows are 16-bit and the
         # kernel float32 (the same sizes: the rule in values).
         kernel_bytes = math.prod(full) * stored.dtype.size
-        if x.shape.is_fully_defined():
+        rows = x.shape[0]
+        if rows is None and x.shape[1:].is_fully_defined():
+            rows = _hinted_rows(ctx)
+        if rows is not None and x.shape[1:].is_fully_defined():
             # Rows known when traced: the same on every replica (Keras
             # splits a global batch), so is the choice; no `tf.cond`.
             x_row = math.prod(x.shape[1:])
             moving = (
                 mesh.replicas
-                * x.shape[0]
+                * rows
                 * (x_row + x_row // contracted * free)
                 * dtype.size
                 <= kernel_bytes
@@ -496,6 +503,38 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
         return y, grad
 
     return op(stored)
+
+
+# Set on a strategy while a Keras loop over array data runs: its global
+# batch size (`batch_hint`).
+_BATCH_ATTR = "_keras_replicator_global_batch"
+
+
+@contextlib.contextmanager
+def batch_hint(strategy, global_batch: int | None):
+    """Products traced meanwhile take the path a full batch's rows pick.
+
+    For array data Keras knows the global batch (`batch_size`), but its
+    traced step does not: the batch dimension is None, because the last
+    batch may be smaller. With the hint, a product whose other dimensions
+    are known chooses its path when traced, from a full batch's rows per
+    replica (`ceil(global_batch / replicas)`), instead of tracing both
+    paths under a `tf.cond`. Every process of a job gets the same
+    `batch_size`, so every replica takes the same path.
+    """
+    previous = getattr(strategy, _BATCH_ATTR, None)
+    setattr(strategy, _BATCH_ATTR, global_batch)
+    try:
+        yield
+    finally:
+        setattr(strategy, _BATCH_ATTR, previous)
+
+
+def _hinted_rows(ctx) -> int | None:
+    global_batch = getattr(ctx.strategy, _BATCH_ATTR, None)
+    if not global_batch:
+        return None
+    return -(-global_batch // ctx.num_replicas_in_sync)
 
 
 def _gradients(product, a, b, upstream):
