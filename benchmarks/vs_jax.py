@@ -14,7 +14,8 @@ Each (case, backend) runs in its own process, the same script under
 `KERAS_BACKEND=tensorflow` and `KERAS_BACKEND=jax`; the backends alternate
 (which goes first swaps every round), `--rounds` times. Prints each one's
 median seconds per step (the first step, which traces and compiles, is not
-timed), ours / JAX per case, and ModelParallel / one device per backend.
+timed), then per round ours / JAX per case and ModelParallel / one device
+per backend: the median of the rounds' ratios, with min and max.
 
 JAX comes with the `bench` extra (`pip install "keras-replicator[bench]"`),
 or from another environment with Keras and JAX (`--jax-python`). Where it
@@ -33,6 +34,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import label  # noqa: E402
+from _common import summary  # noqa: E402
 
 CASES = ("one_device", "data_parallel", "model_parallel")
 BACKENDS = ("tensorflow", "jax")
@@ -233,21 +235,45 @@ def main():
     median = {key: statistics.median(v) for key, v in times.items()}
     header = f"{'case':<16} {'ours':>8}"
     if "jax" in backends:
-        header += f" {'JAX':>8} {'ours/JAX':>9}"
-    print(header)
+        header += f" {'JAX':>8}"
+    print(header + "  (medians, s/step)")
     for case in cases:
         row = f"{case:<16} {median['tensorflow', case]:8.3f}"
         if "jax" in backends:
-            jax = median["jax", case]
-            row += f" {jax:8.3f} {median['tensorflow', case] / jax:9.2f}"
+            row += f" {median['jax', case]:8.3f}"
         print(row)
+    # Ratios per round (each of a pair run side by side), then their
+    # median, min and max.
+    if "jax" in backends:
+        for case in cases:
+            print(
+                summary(
+                    f"{case} ours / JAX",
+                    [
+                        a / b
+                        for a, b in zip(
+                            times["tensorflow", case],
+                            times["jax", case],
+                            strict=True,
+                        )
+                    ],
+                )
+            )
     if {"one_device", "model_parallel"} <= set(cases):
         for backend in backends:
-            ratio = (
-                median[backend, "model_parallel"]
-                / median[backend, "one_device"]
+            print(
+                summary(
+                    f"ModelParallel / one device, {backend}",
+                    [
+                        a / b
+                        for a, b in zip(
+                            times[backend, "model_parallel"],
+                            times[backend, "one_device"],
+                            strict=True,
+                        )
+                    ],
+                )
             )
-            print(f"ModelParallel / one device, {backend}: {ratio:.2f}")
     return None
 
 
