@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record
 
 from keras_replicator._src import collectives
 from keras_replicator._src import gradients
@@ -407,11 +408,17 @@ def contract(
                 dy_all = cut(mesh.gather(dy), out_labels)
                 # dx contracts the output's labels, d_block the rows (all
                 # of them here, as on one device).
-                dx_part, _ = _gradients(
-                    product, *widened(out_labels, x_in, block, dy_all)
-                )
                 _, d_block = _gradients(
                     product, x_in, block, mesh.weighted(dy_all)
+                )
+                if not needs_dx:
+                    # No tape differentiates `x` (a model's input data):
+                    # its gradient is never read, so neither its product
+                    # nor its sum runs (a collective always would), as one
+                    # device's unused gradient is pruned.
+                    return tf.zeros_like(x), tf.cast(d_block, raw.dtype)
+                dx_part, _ = _gradients(
+                    product, *widened(out_labels, x_in, block, dy_all)
                 )
                 dx = mesh.own(mesh.summed(dx_part, slices(x_labels)))
                 return tf.cast(dx, dtype), tf.cast(d_block, raw.dtype)
@@ -435,6 +442,9 @@ def contract(
 
         return y, grad
 
+    # Whether any tape records `x`: false for a model's input data, whose
+    # gradient no step asks for.
+    needs_dx = record.should_record_backprop([x])
     return op(x, stored)
 
 
