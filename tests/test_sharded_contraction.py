@@ -550,3 +550,37 @@ def test_a_known_global_batch_chooses_the_path_when_traced(data, when, chosen):
         assert all(moving is True for moving in chosen), chosen
     else:
         assert all(tf.is_tensor(moving) for moving in chosen), chosen
+
+
+def test_the_input_datas_gradient_is_neither_computed_nor_summed(
+    monkeypatch, chosen
+):
+    # Two Dense layers moving rows: each sums its output in the forward
+    # pass; in the backward pass only the second sums its input gradient.
+    # The first layer's input is the data, which no tape records: one
+    # device prunes that gradient, and a sum (a collective, which always
+    # runs) would be a wasted exchange per step.
+    sums = []
+    summed = contraction._Rows.summed
+
+    def spy(self, part, slices):
+        sums.append(part.shape)
+        return summed(self, part, slices)
+
+    monkeypatch.setattr(contraction._Rows, "summed", spy)
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {".*d[01]/kernel": (None, "model")})
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, name="d0"),
+            keras.layers.Dense(64, name="d1"),
+        ]
+    )
+    model.compile("sgd", "mse")
+    x = np.ones((32, 64), "float32")
+    model.fit(x, x, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert chosen and all(moving is True for moving in chosen), chosen
+    # Per replica (4 traced): two forward sums and one backward sum.
+    assert len(sums) == 4 * 3, sums
