@@ -8,7 +8,14 @@ parameters), Adam, global batch 64, on 4 CPU devices of one process
 - `one_device`: no distribution;
 - `data_parallel`: `keras.distribution.DataParallel` on the 4 devices;
 - `model_parallel`: `keras.distribution.ModelParallel` on a 1x4 mesh,
-  every kernel laid out `(None, "model")`.
+  every kernel laid out `(None, "model")`;
+- `gemma_one_device` and `gemma_model_parallel`: keras-hub's
+  `GemmaCausalLM` built from a small config (`GEMMA`: 2 layers, hidden
+  256, 4 heads of 64, MLP 1024, vocabulary 8192; 3.4M parameters, no
+  download), Adam, a batch of 8 sequences of 32 tokens, on one device and
+  under `ModelParallel` with Gemma's own `get_layout_map` on a 1x4 mesh.
+  They need keras-hub in both environments, and are skipped (saying so)
+  where it is missing.
 
 Each (case, backend) runs in its own process, the same script under
 `KERAS_BACKEND=tensorflow` and `KERAS_BACKEND=jax`; the backends alternate
@@ -36,7 +43,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import label  # noqa: E402
 from _common import summary  # noqa: E402
 
-CASES = ("one_device", "data_parallel", "model_parallel")
+CASES = (
+    "one_device",
+    "data_parallel",
+    "model_parallel",
+    "gemma_one_device",
+    "gemma_model_parallel",
+)
+GEMMA = dict(
+    vocabulary_size=8192,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=4,
+    hidden_dim=256,
+    intermediate_dim=1024,
+    head_dim=64,
+)
+GEMMA_BATCH, GEMMA_LENGTH = 8, 32
 BACKENDS = ("tensorflow", "jax")
 WIDTH = 2048
 GLOBAL_BATCH = 64
@@ -54,25 +77,31 @@ def _worker(args):
     import keras
     import numpy as np
 
-    if args.case != "one_device":
-        keras.distribution.set_distribution(_distribution(args.case))
-    rng = np.random.default_rng(0)
-    rows = GLOBAL_BATCH * args.steps
-    x = rng.normal(size=(rows, WIDTH)).astype("float32")
-    y = rng.normal(size=(rows, WIDTH)).astype("float32")
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [
-            keras.Input((WIDTH,)),
-            *(
-                keras.layers.Dense(
-                    WIDTH, activation="relu" if i < 3 else None, name=f"d{i}"
-                )
-                for i in range(4)
-            ),
-        ]
-    )
-    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    if args.case.startswith("gemma"):
+        model, x, y, batch = _gemma(args)
+    else:
+        if args.case != "one_device":
+            keras.distribution.set_distribution(_distribution(args.case))
+        rng = np.random.default_rng(0)
+        rows = GLOBAL_BATCH * args.steps
+        x = rng.normal(size=(rows, WIDTH)).astype("float32")
+        y = rng.normal(size=(rows, WIDTH)).astype("float32")
+        batch = GLOBAL_BATCH
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((WIDTH,)),
+                *(
+                    keras.layers.Dense(
+                        WIDTH,
+                        activation="relu" if i < 3 else None,
+                        name=f"d{i}",
+                    )
+                    for i in range(4)
+                ),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
     ends = []
 
     class Clock(keras.callbacks.Callback):
@@ -84,7 +113,7 @@ def _worker(args):
     model.fit(
         x,
         y,
-        batch_size=GLOBAL_BATCH,
+        batch_size=batch,
         epochs=1,
         shuffle=False,
         verbose=0,
@@ -95,6 +124,41 @@ def _worker(args):
         b - a for a, b in zip(ends[:-1], ends[1:], strict=True)
     )
     print(json.dumps({"seconds_per_step": seconds}))
+
+
+def _gemma(args):
+    """keras-hub's Gemma from `GEMMA`, on one device or under its own map."""
+    import keras
+    import keras_hub
+    import numpy as np
+
+    if args.case == "gemma_model_parallel":
+        devices = keras.distribution.list_devices()[:DEVICES]
+        mesh = keras.distribution.DeviceMesh(
+            (1, DEVICES), ("batch", "model"), devices
+        )
+        layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch"
+            )
+        )
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.GemmaBackbone(**GEMMA, dtype="float32")
+    model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rows = GEMMA_BATCH * args.steps
+    tokens = np.random.default_rng(0).integers(
+        1, GEMMA["vocabulary_size"], size=(rows, GEMMA_LENGTH + 1)
+    )
+    x = {
+        "token_ids": tokens[:, :-1].astype("int32"),
+        "padding_mask": np.ones((rows, GEMMA_LENGTH), "bool"),
+    }
+    return model, x, tokens[:, 1:].astype("int32"), GEMMA_BATCH
 
 
 def _distribution(case):
@@ -166,6 +230,16 @@ def _jax_missing(python):
     return lines[-1] if lines else f"exit {probe.returncode}"
 
 
+def _hub_missing(python):
+    probe = subprocess.run(
+        [python, "-c", "import keras_hub"],
+        capture_output=True,
+        env=_environment("jax"),
+        check=False,
+    )
+    return probe.returncode != 0
+
+
 def _versions(python, backend):
     module = "tensorflow" if backend == "tensorflow" else "jax"
     code = (
@@ -200,6 +274,17 @@ def main():
     if args.worker:
         return _worker(args)
     cases = args.cases.split(",")
+    hub_missing = [
+        python
+        for python in {sys.executable, args.jax_python}
+        if _hub_missing(python)
+    ]
+    if hub_missing and any(c.startswith("gemma") for c in cases):
+        print(
+            f"keras-hub is missing in {', '.join(hub_missing)}: the Gemma "
+            "cases are skipped (pip install keras-hub)."
+        )
+        cases = [c for c in cases if not c.startswith("gemma")]
     pythons = {"tensorflow": sys.executable, "jax": args.jax_python}
     missing = _jax_missing(args.jax_python)
     backends = list(BACKENDS)
@@ -228,17 +313,17 @@ def main():
                 result = _run(pythons[backend], backend, case, args.steps)
                 times[backend, case].append(result["seconds_per_step"])
                 print(
-                    f"  round {i + 1} {case:<15} {backend:<10} "
+                    f"  round {i + 1} {case:<20} {backend:<10} "
                     f"{result['seconds_per_step']:.3f}",
                     flush=True,
                 )
     median = {key: statistics.median(v) for key, v in times.items()}
-    header = f"{'case':<16} {'ours':>8}"
+    header = f"{'case':<21} {'ours':>8}"
     if "jax" in backends:
         header += f" {'JAX':>8}"
     print(header + "  (medians, s/step)")
     for case in cases:
-        row = f"{case:<16} {median['tensorflow', case]:8.3f}"
+        row = f"{case:<21} {median['tensorflow', case]:8.3f}"
         if "jax" in backends:
             row += f" {median['jax', case]:8.3f}"
         print(row)
@@ -259,16 +344,19 @@ def main():
                     ],
                 )
             )
-    if {"one_device", "model_parallel"} <= set(cases):
+    for prefix, name in (("", "MLP"), ("gemma_", "Gemma")):
+        one, split = f"{prefix}one_device", f"{prefix}model_parallel"
+        if not {one, split} <= set(cases):
+            continue
         for backend in backends:
             print(
                 summary(
-                    f"ModelParallel / one device, {backend}",
+                    f"{name}: ModelParallel / one device, {backend}",
                     [
                         a / b
                         for a, b in zip(
-                            times[backend, "model_parallel"],
-                            times[backend, "one_device"],
+                            times[backend, split],
+                            times[backend, one],
                             strict=True,
                         )
                     ],
