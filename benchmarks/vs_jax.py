@@ -230,11 +230,11 @@ def _jax_missing(python):
     return lines[-1] if lines else f"exit {probe.returncode}"
 
 
-def _hub_missing(python):
+def _hub_missing(python, backend):
     probe = subprocess.run(
         [python, "-c", "import keras_hub"],
         capture_output=True,
-        env=_environment("jax"),
+        env=_environment(backend),
         check=False,
     )
     return probe.returncode != 0
@@ -276,8 +276,11 @@ def main():
     cases = args.cases.split(",")
     hub_missing = [
         python
-        for python in {sys.executable, args.jax_python}
-        if _hub_missing(python)
+        for python, backend in (
+            (sys.executable, "tensorflow"),
+            (args.jax_python, "jax"),
+        )
+        if _hub_missing(python, backend)
     ]
     if hub_missing and any(c.startswith("gemma") for c in cases):
         print(
