@@ -584,3 +584,34 @@ def test_the_input_datas_gradient_is_neither_computed_nor_summed(
     assert chosen and all(moving is True for moving in chosen), chosen
     # Per replica (4 traced): two forward sums and one backward sum.
     assert len(sums) == 4 * 3, sums
+
+
+def test_with_no_tape_tf_gradients_gets_the_input_gradient():
+    # `tf.gradients` differentiates a graph with no tape: nothing records
+    # the input, yet its gradient is asked for, and must be one device's.
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {".*d[01]/kernel": (None, "model")})
+    )
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, name="d0"),
+            keras.layers.Dense(64, name="d1"),
+        ]
+    )
+    strategy = model.get_layer("d0").kernel._value.distribute_strategy
+
+    @tf.function
+    def step():
+        def replica_fn():
+            x = tf.ones([8, 64])
+            return tf.gradients(tf.reduce_sum(model(x)), x)[0]
+
+        return strategy.run(replica_fn)
+
+    w0 = model.get_layer("d0").kernel.numpy()
+    w1 = model.get_layer("d1").kernel.numpy()
+    expected = np.ones([8, 64], "float32") @ (w0 @ w1).T
+    for dx in strategy.experimental_local_results(step()):
+        _close(expected, dx.numpy())

@@ -442,9 +442,13 @@ def contract(
 
         return y, grad
 
-    # Whether any tape records `x`: false for a model's input data, whose
-    # gradient no step asks for.
-    needs_dx = record.should_record_backprop([x])
+    # Whether `x`'s gradient can be asked for: false for a model's input
+    # data under a tape (Keras' steps, custom loops), which records only
+    # what depends on what it watches. With no tape at all, `tf.gradients`
+    # may differentiate the graph: then every gradient is kept.
+    needs_dx = not record.could_possibly_record() or (
+        record.should_record_backprop([x])
+    )
     return op(x, stored)
 
 
