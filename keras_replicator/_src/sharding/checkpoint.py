@@ -50,9 +50,11 @@ distributed checkpoint and Orbax do.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
+import mmap
 import os
 import pathlib
 import shutil
@@ -243,19 +245,99 @@ def _checksum(array) -> int:
     return crc
 
 
+class _DirectFile:
+    """Writes a file's bytes in order past the page cache (`O_DIRECT`).
+
+    A background save writes hundreds of MB while training runs. Written
+    through the page cache, each page is allocated and copied by the
+    kernel, and the steps beside the writer slowed by several times the
+    writer's own CPU (benchmarks/RESULTS.md, "Backups"). With `O_DIRECT`
+    the bytes go from one page-aligned staging buffer to the disk. Where
+    the platform or the file system has no `O_DIRECT` (macOS, tmpfs on
+    older kernels), the same calls write through the page cache. The file
+    is the same either way: the bytes in order, nothing between them.
+    """
+
+    _ALIGN = 4096  # Every disk's logical block size divides it.
+    _STAGING = 8 * 2**20
+
+    def __init__(self, path):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self._direct = hasattr(os, "O_DIRECT")
+        try:
+            direct = os.O_DIRECT if self._direct else 0
+            self._fd = os.open(path, flags | direct, 0o644)
+        except OSError:
+            if not self._direct:
+                raise
+            self._direct = False
+            self._fd = os.open(path, flags, 0o644)
+        self._staging = mmap.mmap(-1, self._STAGING)  # Page-aligned.
+        self._view = np.frombuffer(self._staging, np.uint8)
+        self._filled = 0
+        self._offset = 0  # Of the staging buffer's first byte in the file.
+
+    def write(self, raw) -> None:
+        raw = raw.reshape(-1).view(np.uint8)
+        start = 0
+        while start < raw.size:
+            n = min(raw.size - start, self._STAGING - self._filled)
+            self._view[self._filled : self._filled + n] = raw[start : start + n]
+            self._filled += n
+            start += n
+            if self._filled == self._STAGING:
+                self._flush(self._STAGING)
+
+    def _flush(self, length) -> None:
+        chunk = memoryview(self._staging)[:length]
+        try:
+            os.pwritev(self._fd, [chunk], self._offset)
+        except OSError as error:
+            # EINVAL: this file system refuses O_DIRECT writes after all.
+            if not self._direct or error.errno != errno.EINVAL:
+                raise
+            import fcntl  # POSIX, as O_DIRECT is.
+
+            self._direct = False
+            fcntl.fcntl(
+                self._fd,
+                fcntl.F_SETFL,
+                fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT,
+            )
+            os.pwritev(self._fd, [chunk], self._offset)
+        self._offset += length
+        self._filled = 0
+
+    def close(self) -> None:
+        """Writes the rest, trims the padding and syncs; then closes."""
+        try:
+            size = self._offset + self._filled
+            if self._filled:
+                padded = -(-self._filled // self._ALIGN) * self._ALIGN
+                self._view[self._filled : padded] = 0
+                self._flush(padded if self._direct else self._filled)
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            del self._view
+            self._staging.close()
+
+
 def _write_part(folder, process, parts) -> None:
     """Writes `process-<k>.bin` and `process-<k>.json`, synced."""
     data = folder / f"process-{process}.bin"
     manifest = {}
     offset = 0
-    with open(data, "wb") as f:
+    f = _DirectFile(data)
+    try:
         for key, (entry, blocks) in parts.items():
             written = []
             for begin, array in blocks:
                 raw = np.asarray(array, order="C")
                 # Bytes as they are (a buffer of ml_dtypes' bfloat16 or
                 # float8 does not cast to "B").
-                f.write(raw.reshape(-1).view(np.uint8))
+                f.write(raw)
                 written.append(
                     {
                         "file": data.name,
@@ -268,8 +350,8 @@ def _write_part(folder, process, parts) -> None:
                 )
                 offset += raw.nbytes
             manifest[key] = {**entry, "blocks": written}
-        f.flush()
-        os.fsync(f.fileno())
+    finally:
+        f.close()
     # Renamed into place: process 0 reads a part once its name exists.
     part = folder / f"process-{process}.json"
     temporary = folder / f"process-{process}.json.tmp"
