@@ -254,6 +254,8 @@ def _report_backups(workers, results):
         f"N={workers}: fit with BackupAndRestore(save_freq=3) / without: "
         f"{_spread(ratios)}"
     )
+    plain = [a for p in results for a, _ in p["pairs"]]
+    print(f"  fit of the plain run, s: {_spread(plain)}")
     whole = results[0]["whole_file_mb"]
     saves = results[0]["saves"]
     for k, mb in enumerate(results[0]["written_mb"]):

@@ -11,6 +11,7 @@ half (each process writes only its blocks) is in
 `tests/multi_worker/test_checkpoint.py`.
 """
 
+import errno
 import json
 import os
 import runpy
@@ -23,6 +24,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src.sharding import checkpoint
@@ -303,6 +305,48 @@ def test_a_corrupt_block_is_caught_by_its_checksum(tmp_path):
         kr.load_checkpoint(model, tmp_path / "ckpt")
     # Checked before any assignment: nothing changed.
     _assert_same([np.array(v.numpy()) for v in model.weights], before)
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["direct", "refused"])
+def test_block_files_hold_the_exact_bytes(tmp_path, monkeypatch, refuse):
+    """Through the staging buffer: several fills, a tail, any dtype.
+
+    `refuse` stands for a file system that takes `O_DIRECT` at open and
+    refuses its writes (EINVAL): the file is then written through the
+    page cache, with the same bytes.
+    """
+    monkeypatch.setattr(checkpoint._DirectFile, "_STAGING", 3 * 4096)
+    if refuse:
+        real = os.pwritev
+        refused = []
+
+        def pwritev(fd, buffers, offset):
+            if not refused:
+                refused.append(offset)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "pwritev", pwritev)
+    rng = np.random.default_rng(0)
+    blocks = [
+        rng.normal(size=(37, 211)).astype("float32"),  # 31228 bytes
+        np.zeros((0, 5), "float32"),
+        tf.constant(rng.normal(size=(5,)), "bfloat16").numpy(),
+        rng.integers(0, 2**40, size=(4097,)),
+    ]
+    parts = {
+        f"model/{i}": ({"path": f"v{i}"}, [([0] * np.ndim(b), b)])
+        for i, b in enumerate(blocks)
+    }
+    checkpoint._write_part(tmp_path, 0, parts)
+    data = (tmp_path / "process-0.bin").read_bytes()
+    expected = b"".join(np.asarray(b).tobytes() for b in blocks)
+    assert data == expected
+    manifest = json.loads((tmp_path / "process-0.json").read_text())
+    offsets = [manifest[f"model/{i}"]["blocks"][0]["offset"] for i in range(4)]
+    assert offsets == [0, 31228, 31228, 31238]
+    if refuse:
+        assert refused == [0]
 
 
 def test_bfloat16_weights_round_trip(tmp_path):
