@@ -5,6 +5,7 @@ batch give the same losses and weights.
 """
 
 import functools
+import os
 
 import keras
 import numpy as np
@@ -248,15 +249,79 @@ def test_train_on_batch_custom_train_step_evaluate_and_predict():
     _close(p0, p1)
 
 
-def test_jit_compile_true_is_refused():
-    keras.distribution.set_distribution(
-        _model_parallel((1, 4), {"d1/kernel": (None, "model")})
-    )
+def _jit_run(distribution):
+    keras.distribution.set_distribution(distribution)
     model = _embedding_model(OPTIMIZERS["adam"])
-    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        metrics=["mae"],
+        jit_compile=True,
+    )
     x, y = _data()
-    with pytest.raises(NotImplementedError, match="jit_compile=True"):
-        model.fit(x, y, batch_size=16, verbose=0)
+    history = model.fit(
+        x, y, batch_size=16, epochs=2, verbose=0, shuffle=False
+    ).history
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0)
+    predicted = model.predict(x, batch_size=16, verbose=0)
+    return model, history, evaluated, predicted
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (2, 2)], ids=["1x4", "2x2"])
+def test_jit_compile_true_gets_one_devices_numbers(shape):
+    """XLA compiles each device's share; the collectives stay outside."""
+    reference = _jit_run(None)
+    got = _jit_run(_model_parallel(shape, _LAYOUTS))
+    model = got[0]
+    assert model.jit_compile is True
+    # The weights are sharded, on both mesh axes for the 2x2 mesh.
+    assert kr.shard_shapes(model.get_layer("d1").kernel)["cpu:0"] == (
+        (48 // shape[0], 16 // shape[1])
+    )
+    _same_history(reference[1], got[1])
+    _same_weights(reference[0], model)
+    _close(reference[2], got[2])
+    _close(reference[3], got[3])
+
+
+_XLA_PROBE = """
+import os, sys
+import keras_replicator as kr
+kr.configure_cpu_replicas(4)
+import keras, numpy as np
+mesh = keras.distribution.DeviceMesh(
+    (1, 4), ["batch", "model"], keras.distribution.list_devices()[:4]
+)
+layouts = keras.distribution.LayoutMap(mesh)
+layouts[".*d/kernel"] = (None, "model")
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layouts)
+)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="d")])
+model.compile("adam", "mse", jit_compile=sys.argv[1] == "1")
+model.fit(np.ones((32, 8)), np.ones((32, 16)), batch_size=16, verbose=0)
+assert kr.shard_shapes(model.get_layer("d").kernel)["cpu:0"] == (8, 4)
+"""
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "no_jit"])
+def test_jit_compile_true_compiles_clusters_under_model_parallel(jit):
+    """TensorFlow logs its first XLA compilation in a process: only with jit."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", _XLA_PROBE, "1" if jit else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = "Compiled cluster using XLA" in result.stderr
+    assert compiled == jit, result.stderr[-3000:]
+    assert ("compiles each device's share" in result.stderr) == jit
 
 
 # --- Saved files are whole --------------------------------------------------

@@ -74,12 +74,14 @@ in-graph replicators:
 from __future__ import annotations
 
 import functools
+import logging
 
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_replicator._src.core import keras_src
+from keras_replicator._src.core import placements
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.core import versions
@@ -132,6 +134,12 @@ def _make_function(original, self, step_function):
     # instance): optimizers in it follow one device's gradient convention
     # (`patches/replica_mean.py`).
     step_function = replica_step.keras_step(step_function)
+    if _wants_sharded_jit(self):
+        scoped = _in_jit_scope(self, step_function)
+        return _with_jit_off(
+            self,
+            lambda: _batch_in_graph(self, original(self, scoped), scoped),
+        )
     if not _wants_per_replica_jit(self):
         return _batch_in_graph(
             self, original(self, step_function), step_function
@@ -198,6 +206,80 @@ def _batch_in_graph(model, function, step_function):
         return function(iterator)
 
     return batch_in_graph
+
+
+def _wants_sharded_jit(model) -> bool:
+    """`jit_compile=True` for a model `ModelParallel` stores in blocks."""
+    return (
+        bool(model.jit_compile)
+        and not model.run_eagerly
+        and placements.any_sharded(model.variables)
+    )
+
+
+def _with_jit_off(model, build):
+    """`build()` with the stock code seeing `jit_compile=False`."""
+    saved = model._jit_compile
+    model._jit_compile = False
+    try:
+        return build()
+    finally:
+        model._jit_compile = saved
+
+
+_SHARDED_JIT_NOTE = (
+    "keras-replicator: `jit_compile=True` under `ModelParallel` compiles "
+    "each device's share of the step with XLA: TensorFlow clusters the "
+    "step's operations per device. Left uncompiled: the collectives "
+    "between devices (the row moves, gathers and sums of sharded "
+    "products), any op XLA has no kernel for, and the ops of a "
+    "`predict_step` your model overrides."
+)
+_noted = []
+
+
+def _in_jit_scope(model, step_function):
+    """`step_function`, its ops marked for XLA where XLA can take them.
+
+    A product of a sharded variable moves rows or blocks between devices
+    inside the step, which one XLA cluster cannot hold (each cluster runs
+    on one device). So the step is not compiled whole: its ops are created
+    in `tf.xla.experimental.jit_scope`, and TensorFlow's clustering pass
+    (`MarkForCompilationPass`; on the CPU it clusters ops so marked) puts
+    every run of compilable ops on one device into an XLA cluster and
+    leaves the collectives between them as they are. The arithmetic is
+    XLA's, as on one device with `jit_compile=True`.
+    """
+
+    @functools.wraps(step_function)
+    def step_in_jit_scope(data):
+        if not _noted:  # Once a process.
+            _noted.append(True)
+            logging.getLogger("keras_replicator").warning(_SHARDED_JIT_NOTE)
+        with tf.xla.experimental.jit_scope(
+            compile_ops=True, separate_compiled_gradients=False
+        ):
+            return step_function(data)
+
+    return step_in_jit_scope
+
+
+def _make_predict_function(original, self, force=False):
+    if not (
+        _wants_sharded_jit(self)
+        and traits.is_in_graph(self.distribute_strategy)
+        and (force or self.predict_function is None)
+    ):
+        return original(self, force)
+    # Keras' predict step is jit-compiled whole; under ModelParallel it is
+    # built uncompiled and `predict_step` marks its ops (below).
+    return _with_jit_off(self, lambda: original(self, force))
+
+
+def _predict_step(original, self, data):
+    if _wants_sharded_jit(self) and not tf.executing_eagerly():
+        return _in_jit_scope(self, lambda d: original(self, d))(data)
+    return original(self, data)
 
 
 def _wants_per_replica_jit(model) -> bool:
@@ -322,6 +404,14 @@ PATCH = registry.register(
         targets=(
             registry.Target(
                 keras_src.TensorFlowTrainer, "_make_function", _make_function
+            ),
+            registry.Target(
+                keras_src.TensorFlowTrainer,
+                "make_predict_function",
+                _make_predict_function,
+            ),
+            registry.Target(
+                keras_src.TensorFlowTrainer, "predict_step", _predict_step
             ),
         ),
         applies_to=frozenset({"local", "multi_worker"}),

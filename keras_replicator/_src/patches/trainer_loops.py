@@ -15,9 +15,8 @@ Several behaviours need these entry points, and one patch owns them:
 - The hang watchdog (`training/hang_watchdog.py`): under `LocalReplicator`
   and `MultiWorkerReplicator` each call is a watched loop.
 - A model with variables `keras.distribution.ModelParallel` stores in
-  blocks refuses `jit_compile=True` (`NotImplementedError`): XLA on a
-  replica cannot hold the all-gathers that read those variables. Keras'
-  own `"auto"` resolves to False under tf.distribute. Its layers that own
+  blocks: with `jit_compile=True` each device's share of its step is
+  compiled (`patches/per_replica_jit.py`). Its layers that own
   such variables are rematerialised for `fit` (`sharding/remat.py`), and
   for array data or a batched dataset its products learn the global batch
   (`sharding/contraction.batch_hint`): each chooses its path when traced.
@@ -118,17 +117,6 @@ def _dataset_batch(dataset) -> int | None:
     return None
 
 
-def _check_jit(model, name):
-    if model.jit_compile and placements.any_sharded(model.variables):
-        raise NotImplementedError(
-            f"`{name}` with `jit_compile=True` is not supported for a model "
-            "whose variables `keras.distribution.ModelParallel` shards on "
-            "TensorFlow: XLA cannot hold the all-gathers that read them. "
-            'Compile with `jit_compile=False` (or the default `"auto"`). '
-            f"Received: jit_compile={model.jit_compile!r}"
-        )
-
-
 def _batch_statistics(model, strategy) -> None:
     """Global batch statistics and dropout masks under `keras.distribution`.
 
@@ -162,7 +150,6 @@ def _dispatch(name):
         strategy = traits.model_strategy(self)
         if not traits.is_in_graph(strategy):
             return original(self, *args, **kwargs)
-        _check_jit(self, name)
         sharded = placements.any_sharded(self.variables)
         if name == "fit" and sharded:
             remat.rematerialize(self)
