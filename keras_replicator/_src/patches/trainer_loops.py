@@ -84,8 +84,10 @@ def _global_batch(arguments) -> int | None:
     x = arguments.get("x")
     if isinstance(x, tf.data.Dataset):
         return _dataset_batch(x)
-    leaves = list(x.values()) if isinstance(x, dict) else (
-        list(x) if isinstance(x, (list, tuple)) else [x]
+    leaves = (
+        list(x.values())
+        if isinstance(x, dict)
+        else (list(x) if isinstance(x, (list, tuple)) else [x])
     )
     if not leaves or not all(
         isinstance(leaf, np.ndarray) or tf.is_tensor(leaf) for leaf in leaves
@@ -138,15 +140,21 @@ def _batch_statistics(model, strategy) -> None:
 
 def _dispatch(name):
     def method(original, self, *args, **kwargs):
+        # Bound once, and only where needed: a model under no strategy
+        # gets Keras' own call, its errors included.
+        bound = []
+
+        def arguments():
+            if not bound:
+                bound.append(_arguments(original, self, args, kwargs))
+            return bound[0]
+
         replicator = _loops(self)
         if replicator is not None:
             loop = getattr(replicator.keras_loops, name)
-            return loop(
-                self, replicator, **_arguments(original, self, args, kwargs)
-            )
+            return loop(self, replicator, **arguments())
         if name == "evaluate":
-            x = _arguments(original, self, args, kwargs).get("x")
-            exact_eval.prepare(self, x)
+            exact_eval.prepare(self, arguments().get("x"))
         strategy = traits.model_strategy(self)
         if not traits.is_in_graph(strategy):
             return original(self, *args, **kwargs)
@@ -157,10 +165,7 @@ def _dispatch(name):
             # Once per model: what its ModelParallel layout map missed.
             report.warn_once(self)
         hint = contraction.batch_hint(
-            strategy,
-            _global_batch(_arguments(original, self, args, kwargs))
-            if sharded
-            else None,
+            strategy, _global_batch(arguments()) if sharded else None
         )
         if name == "fit":
             _batch_statistics(self, strategy)
