@@ -94,6 +94,50 @@ def test_a_kr_launch_caller_killed_with_sigkill_leaves_no_worker(tmp_path):
     assert harness.wait_until_gone(pids) == [], run.output()[-4000:]
 
 
+@pytest.mark.timeout(180)
+def test_an_mpi_launch_killed_with_sigkill_leaves_no_rank(tmp_path):
+    """`--transport mpi`: the launcher starts mpiexec, which starts the
+    ranks; killing the launcher alone ends mpiexec and every rank."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    command = harness.launch_command(
+        tmp_path / "sleeper.py",
+        [str(folder)],
+        num_workers=2,
+        replicas_per_worker=1,
+    )
+    at = command.index("launch") + 1
+    command[at:at] = ["--transport", "mpi"]
+    env = harness.mpiexec_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(harness.REPO_ROOT)])
+    run = harness.Background(command, tmp_path, "mpi_launch", env)
+    pids = _wait_for_pids(folder, 2, run)
+    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone
+    run.proc.wait(timeout=30)
+    assert harness.wait_until_gone(pids) == [], run.output()[-4000:]
+    # mpiexec is gone too: no process is left with the folder in its
+    # command line.
+    deadline = time.monotonic() + 30
+    while _with_argument(str(folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _with_argument(str(folder)) == [], run.output()[-4000:]
+
+
+def _with_argument(text):
+    """Pids of live processes with `text` in their command line (Linux)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                line = f.read().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and text in line:
+            found.append(int(entry))
+    return found
+
+
 def test_a_closed_reaper_kills_nothing(tmp_path):
     sleeper = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)"],
