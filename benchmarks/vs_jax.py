@@ -28,7 +28,11 @@ JAX comes with the `bench` extra (`pip install "keras-replicator[bench]"`),
 or from another environment with Keras and JAX (`--jax-python`). Where it
 is missing, the benchmark says so and runs our side alone.
 
+`--jit` compiles our side with `jit_compile=True` (under `ModelParallel`,
+each device's share of the step; Keras' default is used otherwise).
+
     python benchmarks/vs_jax.py [--rounds 3] [--steps 12] [--jax-python PY]
+        [--cases ...] [--jit]
 """
 
 import argparse
@@ -101,7 +105,9 @@ def _worker(args):
                 ),
             ]
         )
-        model.compile(keras.optimizers.Adam(1e-3), "mse")
+        model.compile(
+            keras.optimizers.Adam(1e-3), "mse", jit_compile=_jit(args)
+        )
     ends = []
 
     class Clock(keras.callbacks.Callback):
@@ -149,6 +155,7 @@ def _gemma(args):
     model.compile(
         keras.optimizers.Adam(1e-3),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=_jit(args),
     )
     rows = GEMMA_BATCH * args.steps
     tokens = np.random.default_rng(0).integers(
@@ -159,6 +166,11 @@ def _gemma(args):
         "padding_mask": np.ones((rows, GEMMA_LENGTH), "bool"),
     }
     return model, x, tokens[:, 1:].astype("int32"), GEMMA_BATCH
+
+
+def _jit(args):
+    """Keras' default, or `--jit`: XLA for our side too (JAX always is)."""
+    return True if args.jit else "auto"
 
 
 def _distribution(case):
@@ -191,7 +203,7 @@ def _environment(backend):
     return env
 
 
-def _run(python, backend, case, steps):
+def _run(python, backend, case, steps, jit=False):
     command = [
         python,
         os.path.abspath(__file__),
@@ -199,6 +211,7 @@ def _run(python, backend, case, steps):
         f"--backend={backend}",
         f"--case={case}",
         f"--steps={steps}",
+        *(["--jit"] if jit else []),
     ]
     result = subprocess.run(
         command,
@@ -270,6 +283,12 @@ def main():
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--backend", choices=BACKENDS)
     parser.add_argument("--case", choices=CASES)
+    parser.add_argument(
+        "--jit",
+        action="store_true",
+        help="compile our side with jit_compile=True (under ModelParallel: "
+        "each device's share)",
+    )
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
@@ -306,6 +325,7 @@ def main():
         f"MLP 4 x Dense({WIDTH}), Adam, global batch {GLOBAL_BATCH}, "
         f"{DEVICES} CPU devices, {args.steps} steps, median of "
         f"{args.rounds} alternating rounds (s/step)"
+        + ("; ours with jit_compile=True" if args.jit else "")
     )
     times = {(b, c): [] for b in backends for c in cases}
     for i in range(args.rounds):
@@ -313,7 +333,9 @@ def main():
         order = backends if i % 2 == 0 else backends[::-1]
         for case in cases:
             for backend in order:
-                result = _run(pythons[backend], backend, case, args.steps)
+                result = _run(
+                    pythons[backend], backend, case, args.steps, args.jit
+                )
                 times[backend, case].append(result["seconds_per_step"])
                 print(
                     f"  round {i + 1} {case:<20} {backend:<10} "
