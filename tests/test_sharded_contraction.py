@@ -478,6 +478,23 @@ def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
     np.testing.assert_allclose(losses["model"], losses["one"], rtol=1e-3)
 
 
+def _dense_model(names=("d",), width=64):
+    """Dense(`width`) layers named `names`, every kernel `(None, "model")`
+    on a (1, 4) mesh, compiled with SGD and MSE."""
+    pattern = ".*(" + "|".join(names) + ")/kernel"
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {pattern: (None, "model")})
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((width,)),
+            *(keras.layers.Dense(width, name=name) for name in names),
+        ]
+    )
+    model.compile("sgd", "mse")
+    return model
+
+
 @pytest.mark.parametrize(
     "policy, moves", [("float32", False), ("mixed_bfloat16", True)]
 )
@@ -489,13 +506,7 @@ def test_the_path_is_chosen_by_bytes(policy, moves, chosen):
     saved = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        keras.distribution.set_distribution(
-            _model_parallel((1, 4), {".*d/kernel": (None, "model")})
-        )
-        model = keras.Sequential(
-            [keras.Input((64,)), keras.layers.Dense(64, name="d")]
-        )
-        model.compile("sgd", "mse")
+        model = _dense_model()
         x = np.ones((48, 64), "float32")
         data = tf.data.Dataset.from_tensors((x, x))
         model.fit(data, verbose=0, shuffle=False)
@@ -517,13 +528,7 @@ def test_a_known_global_batch_chooses_the_path_when_traced(data, when, chosen):
     # The step's batch dimension is None (the last batch may be smaller);
     # with the loop's global batch known, each product still picks its
     # path when traced, from a full batch's rows, and traces one path.
-    keras.distribution.set_distribution(
-        _model_parallel((1, 4), {".*d/kernel": (None, "model")})
-    )
-    model = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(64, name="d")]
-    )
-    model.compile("sgd", "mse")
+    model = _dense_model()
     x = np.ones((40, 64), "float32")
     kwargs = {}
     if data == "arrays":
@@ -568,17 +573,7 @@ def test_the_input_datas_gradient_is_neither_computed_nor_summed(
         return summed(self, part, slices)
 
     monkeypatch.setattr(contraction._Rows, "summed", spy)
-    keras.distribution.set_distribution(
-        _model_parallel((1, 4), {".*d[01]/kernel": (None, "model")})
-    )
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, name="d0"),
-            keras.layers.Dense(64, name="d1"),
-        ]
-    )
-    model.compile("sgd", "mse")
+    model = _dense_model(("d0", "d1"))
     x = np.ones((32, 64), "float32")
     model.fit(x, x, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert chosen and all(moving is True for moving in chosen), chosen
@@ -589,17 +584,8 @@ def test_the_input_datas_gradient_is_neither_computed_nor_summed(
 def test_with_no_tape_tf_gradients_gets_the_input_gradient():
     # `tf.gradients` differentiates a graph with no tape: nothing records
     # the input, yet its gradient is asked for, and must be one device's.
-    keras.distribution.set_distribution(
-        _model_parallel((1, 4), {".*d[01]/kernel": (None, "model")})
-    )
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, name="d0"),
-            keras.layers.Dense(64, name="d1"),
-        ]
-    )
+    model = _dense_model(("d0", "d1"))
     strategy = model.get_layer("d0").kernel._value.distribute_strategy
 
     @tf.function
