@@ -230,13 +230,16 @@ def _run(python, backend, case, steps, jit=False):
 
 def _jax_missing(python):
     """Why `python` cannot run Keras on JAX, or None if it can."""
-    probe = subprocess.run(
-        [python, "-c", "import jax, keras; print(jax.__version__)"],
-        capture_output=True,
-        text=True,
-        env=_environment("jax"),
-        check=False,
-    )
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import jax, keras; print(jax.__version__)"],
+            capture_output=True,
+            text=True,
+            env=_environment("jax"),
+            check=False,
+        )
+    except OSError as error:
+        return f"--jax-python {python!r}: {error.strerror}"
     if probe.returncode == 0:
         return None
     lines = probe.stderr.strip().splitlines()
@@ -244,12 +247,15 @@ def _jax_missing(python):
 
 
 def _hub_missing(python, backend):
-    probe = subprocess.run(
-        [python, "-c", "import keras_hub"],
-        capture_output=True,
-        env=_environment(backend),
-        check=False,
-    )
+    try:
+        probe = subprocess.run(
+            [python, "-c", "import keras_hub"],
+            capture_output=True,
+            env=_environment(backend),
+            check=False,
+        )
+    except OSError:  # No such Python: `_jax_missing` says so.
+        return True
     return probe.returncode != 0
 
 
