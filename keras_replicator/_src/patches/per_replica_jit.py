@@ -135,7 +135,7 @@ def _make_function(original, self, step_function):
     # (`patches/replica_mean.py`).
     step_function = replica_step.keras_step(step_function)
     if _wants_sharded_jit(self):
-        scoped = _in_jit_scope(self, step_function)
+        scoped = _in_jit_scope(step_function)
         return _with_jit_off(
             self,
             lambda: _batch_in_graph(self, original(self, scoped), scoped),
@@ -144,17 +144,13 @@ def _make_function(original, self, step_function):
         return _batch_in_graph(
             self, original(self, step_function), step_function
         )
-    saved = self._jit_compile
     # The stock function reads `self.jit_compile` once, when it wraps the
     # outer step in its tf.function: make that one a plain graph.
-    self._jit_compile = False
-    try:
-        step_function = _compile_per_replica(self, step_function)
-        return _batch_in_graph(
-            self, original(self, step_function), step_function
-        )
-    finally:
-        self._jit_compile = saved
+    compiled = _compile_per_replica(self, step_function)
+    return _with_jit_off(
+        self,
+        lambda: _batch_in_graph(self, original(self, compiled), compiled),
+    )
 
 
 def _batch_in_graph(model, function, step_function):
@@ -238,7 +234,7 @@ _SHARDED_JIT_NOTE = (
 _noted = []
 
 
-def _in_jit_scope(model, step_function):
+def _in_jit_scope(step_function):
     """`step_function`, its ops marked for XLA where XLA can take them.
 
     A product of a sharded variable moves rows or blocks between devices
@@ -278,7 +274,7 @@ def _make_predict_function(original, self, force=False):
 
 def _predict_step(original, self, data):
     if _wants_sharded_jit(self) and not tf.executing_eagerly():
-        return _in_jit_scope(self, lambda d: original(self, d))(data)
+        return _in_jit_scope(lambda d: original(self, d))(data)
     return original(self, data)
 
 
