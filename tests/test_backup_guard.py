@@ -13,7 +13,9 @@ inside an epoch restores on one device and says that the epoch starts
 again; one that does not fit the model is refused by name, and kept; a
 whole backup left in `<backup_dir>.previous` (a process killed between the
 renames of a save) restores on one device; a whole backup written after a
-sharded one, beside it, is the one restored. A backup written by 2
+sharded one, beside it, is the one restored; a sharded backup still being
+written when the fit ends is abandoned if Keras deletes it next, and
+finished if it stays. A backup written by 2
 processes restoring on one device is in
 `tests/multi_worker/test_distribution_resume.py`.
 """
@@ -22,12 +24,14 @@ import contextlib
 import os
 import shutil
 import signal
+import time
 
 import keras
 import pytest
 
 import keras_replicator as kr
 from keras_replicator._src.patches import preemption as preemption_patch
+from keras_replicator._src.sharding import checkpoint
 from keras_replicator._src.training import preemption
 from tests.helpers import assert_weights_close
 from tests.multi_worker import distribution_reference as reference
@@ -207,3 +211,35 @@ def test_a_whole_backup_written_after_a_sharded_one_is_restored(
     weights, trained = _fit("replicator", backup, epochs=3)
     assert trained[0] == (2, 0)
     assert_weights_close(weights, three_epochs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("delete", [True, False], ids=["deleted", "kept"])
+def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
+    delete, one_device, tmp_path, monkeypatch, capfd
+):
+    committed = []
+    commit = checkpoint._commit
+
+    def recording(directory, name, *args, **kwargs):
+        committed.append(name)
+        return commit(directory, name, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_commit", recording)
+    # Every writer starts late: the fit ends while the last save waits.
+    monkeypatch.setattr(checkpoint, "_yield_to_training", lambda: time.sleep(1))
+    backup = tmp_path / "backup"
+    weights, _ = _fit("model_parallel", backup, 2, delete_checkpoint=delete)
+    assert_weights_close(weights, one_device)
+    # The first epoch's backup is written (the second save waits for it);
+    # the second's is abandoned when Keras deletes it next.
+    steps = ref.STEPS_PER_EPOCH
+    expected = (
+        [f"ckpt-{steps}"] if delete else [f"ckpt-{steps}", f"ckpt-{2 * steps}"]
+    )
+    assert committed == expected
+    assert backup.exists() == (not delete)
+    if not delete:
+        index = checkpoint._read_index(backup / "sharded")
+        assert index["checkpoint"] == f"ckpt-{2 * steps}"
+    assert "was not written" not in capfd.readouterr().err

@@ -293,6 +293,63 @@ def test_a_save_returns_before_its_files_are_written(
     _assert_same(_state(fresh), expected)
 
 
+@pytest.mark.parametrize("where", ["before", "flush", "checksum"])
+def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
+    tmp_path, monkeypatch, where
+):
+    saved = _trained_on(_model_parallel((1, 4)), tmp_path)
+    expected = _state(saved)
+    _fit(saved)
+    # The writer pauses at `where` until the stop is set: the check after
+    # it must find the stop.
+    reached, go = threading.Event(), threading.Event()
+
+    def pause():
+        reached.set()
+        assert go.wait(60)
+
+    if where == "before":
+        monkeypatch.setattr(checkpoint, "_yield_to_training", pause)
+    elif where == "flush":
+        monkeypatch.setattr(checkpoint._DirectFile, "_STAGING", 64)
+        flush = checkpoint._DirectFile._flush
+
+        def flush_then_pause(self, length):
+            flush(self, length)
+            pause()
+
+        monkeypatch.setattr(checkpoint._DirectFile, "_flush", flush_then_pause)
+    else:
+        monkeypatch.setattr(checkpoint, "_CRC_CHUNK", 64)
+        crc32 = checkpoint.zlib.crc32
+
+        def pause_then_crc(data, value):
+            pause()
+            return crc32(data, value)
+
+        monkeypatch.setattr(checkpoint.zlib, "crc32", pause_then_crc)
+    handle = kr.save_checkpoint(saved, tmp_path / "ckpt")
+    assert reached.wait(60)
+    handle._stop.set()
+    go.set()
+    handle._abandon()
+    monkeypatch.undo()
+    assert handle.done()
+    handle.wait()  # No error: an abandoned save is no failure.
+    index = json.loads((tmp_path / "ckpt/index.json").read_text())
+    assert index["checkpoint"] == "ckpt-2"
+    assert list((tmp_path / "ckpt/ckpt-4").iterdir()) == []
+    model = _fresh_on(_model_parallel((1, 4)))
+    kr.load_checkpoint(model, tmp_path / "ckpt")
+    _assert_same(_state(model), expected)
+    # The next save goes on as usual.
+    kr.save_checkpoint(saved, tmp_path / "ckpt").wait()
+    assert (
+        json.loads((tmp_path / "ckpt/index.json").read_text())["checkpoint"]
+        == "ckpt-4"
+    )
+
+
 def test_a_corrupt_block_is_caught_by_its_checksum(tmp_path):
     _trained_on(_model_parallel((1, 4)), tmp_path)
     data = next((tmp_path / "ckpt").glob("ckpt-*/process-0.bin"))
@@ -339,12 +396,17 @@ def test_block_files_hold_the_exact_bytes(tmp_path, monkeypatch, refuse):
         for i, b in enumerate(blocks)
     }
     checkpoint._write_part(tmp_path, 0, parts)
+    # Each snapshot is let go once written (its variable then updates in
+    # place, without a copy).
+    assert [a for _, b in parts.values() for _, a in b] == [None] * 4
     data = (tmp_path / "process-0.bin").read_bytes()
     expected = b"".join(np.asarray(b).tobytes() for b in blocks)
     assert data == expected
     manifest = json.loads((tmp_path / "process-0.json").read_text())
     offsets = [manifest[f"model/{i}"]["blocks"][0]["offset"] for i in range(4)]
     assert offsets == [0, 31228, 31228, 31238]
+    crcs = [manifest[f"model/{i}"]["blocks"][0]["crc32"] for i in range(4)]
+    assert crcs == [checkpoint._checksum(b) for b in blocks]
     if refuse:
         assert refused == [0]
 

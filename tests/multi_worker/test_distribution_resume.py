@@ -209,7 +209,7 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
                 "four",
                 {**os.environ, **BASE_ENV, "PREEMPT_MESH": "1,4"},
             )
-            assert run.wait(timeout=240) == 0, run.output()[-4000:]
+            assert run.wait(timeout=150) == 0, run.output()[-4000:]
             results = [run.result(i) for i in range(4)]
             weights = [np.asarray(w) for w in results[0]["weights"]]
             trained = results[0]["trained"]
@@ -238,3 +238,21 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
     assert ref.step_of(trained[0]) == saved
     assert len(trained) == ref.TOTAL_STEPS - saved
     assert_weights_close(weights, one_device)
+
+
+@pytest.mark.timeout(300)
+def test_a_second_fit_starts_afresh_on_every_worker(tmp_path):
+    """The chief deletes the backup at a fit's end; nobody reads it first.
+
+    The chief deletes slowly (3 s): a worker that went straight on to the
+    next fit would find the backup, restore it and train nothing, while
+    the chief trained every step.
+    """
+    backup = tmp_path / "backup"
+    run = _launch(backup, tmp_path, "refit", {"PREEMPT_REFIT": "1"})
+    assert run.wait(timeout=150) == 0, run.output()[-4000:]
+    for index in (0, 1):
+        result = run.result(index)
+        assert len(result["trained"]) == ref.TOTAL_STEPS
+        assert result["trained_again"] == result["trained"], index
+    assert not backup.exists()

@@ -45,6 +45,7 @@ handlers for one fit and puts them back after it, however it ends.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -64,6 +65,7 @@ from keras_replicator._src.core import versions
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import checkpoint
+from keras_replicator._src.sharding import sharded
 from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import preemption
 
@@ -188,10 +190,44 @@ def _on_train_end(original, self, logs=None):
         if run.agreement.should_stop_at_end():
             # A fit that trained nothing leaves the restored backup as is.
             _stop(self, run, save=run.in_epochs)
-    if run is not None:
-        # Before `BackupAndRestore.on_train_end` deletes the backup.
-        _wait_for_backups()
-    return original(self, logs)
+    if run is None:
+        return original(self, logs)
+    # Before `BackupAndRestore.on_train_end` deletes the backup.
+    _end_backups()
+    result = original(self, logs)
+    if _deletes_a_backup(self) and sharded.multi_process(run.strategy):
+        _deleted_everywhere(run.strategy)
+    return result
+
+
+def _deletes_a_backup(callbacks) -> bool:
+    return any(
+        isinstance(c, keras.callbacks.BackupAndRestore)
+        and getattr(c, "delete_checkpoint", False)
+        for c in callbacks.callbacks
+    )
+
+
+_ends = itertools.count()
+
+
+def _deleted_everywhere(strategy) -> None:
+    """A barrier once the chief deleted the backup at a fit's end.
+
+    Every process reads a sharded backup from the one folder: without it,
+    a process whose next `fit` begins at once could find the backup half
+    deleted by the chief (an index whose files are gone).
+    """
+    with hang_watchdog.paused():
+        sharded.wait_for_processes(
+            strategy,
+            f"keras_replicator/backup_deleted/{next(_ends)}",
+            lambda seconds: (
+                "At the end of a fit every process waits for the chief to "
+                "delete the BackupAndRestore backup; the other processes "
+                f"did not get there within {seconds:g} s."
+            ),
+        )
 
 
 def _stop(callbacks, run: _Run, save: bool = True) -> None:
@@ -276,7 +312,27 @@ def _wait_for_backups() -> None:
     # A long write is no hang: the watchdog's clock stops meanwhile.
     with hang_watchdog.paused():
         while _backup_saves:
-            _backup_saves.pop().wait()
+            _, save = _backup_saves.pop()
+            save.wait()
+
+
+def _end_backups() -> None:
+    """At a fit's end: finishes the backups in flight that stay.
+
+    `BackupAndRestore(delete_checkpoint=True)` (the default) deletes its
+    backup right after this: a write still in flight is abandoned
+    (`CheckpointSave._abandon`) rather than finished only to be deleted,
+    which spared the fit the last write's time. The previous complete
+    backup stays until the deletion, so a crash in between resumes from
+    it. A backup that stays (`delete_checkpoint=False`) is waited for.
+    """
+    with hang_watchdog.paused():
+        while _backup_saves:
+            backup, save = _backup_saves.pop()
+            if getattr(backup, "delete_checkpoint", False):
+                save._abandon()
+            else:
+                save.wait()
 
 
 def _has_sharded_variables(model) -> bool:
@@ -317,14 +373,13 @@ def _save_sharded(self, run: _Run, target: str) -> None:
                 os.remove(path)
         shutil.rmtree(target + PREVIOUS_SUFFIX, ignore_errors=True)
 
-    _backup_saves.append(
-        checkpoint.save(
-            self.model,
-            os.path.join(target, SHARDED_FOLDER),
-            metadata=metadata,
-            on_commit=drop_whole_backup,
-        )
+    save = checkpoint.save(
+        self.model,
+        os.path.join(target, SHARDED_FOLDER),
+        metadata=metadata,
+        on_commit=drop_whole_backup,
     )
+    _backup_saves.append((self, save))
     _log_state(f"saving to {target}", self.model, run.epoch, run.done)
 
 

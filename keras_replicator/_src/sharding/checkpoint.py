@@ -95,6 +95,9 @@ class CheckpointSave:
         self.name = name
         self._thread = thread
         self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._number = 0  # The save's barrier number (`_agree`).
+        self._processes = 1
 
     def done(self) -> bool:
         """Whether the files and the index are written (or failed)."""
@@ -111,6 +114,25 @@ class CheckpointSave:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def _abandon(self, timeout=_DEFAULT_TIMEOUT) -> None:
+        """Stops the write where it is; every process calls it.
+
+        For a save nobody will read: the backup that the end of `fit`
+        deletes next, whose write the fit would otherwise wait for. The
+        writer stops at its next block, 8 MB written or 16 MB checksummed,
+        and removes this process's files; process 0 commits
+        no index unless it already had, so the directory still holds the
+        previous complete checkpoint (or this one). Returns once every
+        process's writer has stopped (a barrier), so that no writer still
+        creates files in a folder that is being deleted. An error the
+        write met is dropped: nobody reads the save.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._error = None
+        _barrier(f"{self._number}/abandoned", self._processes, timeout)
 
 
 _save_numbers = itertools.count()
@@ -175,8 +197,9 @@ def _snapshot(component) -> np.ndarray:
     On the CPU this copies nothing: the array holds the variable's buffer,
     and TensorFlow's updates copy a buffer that is still read before they
     write (copy-on-write), so later steps never change the array. The save
-    thus costs the step no copy at all, and an updated variable costs one,
-    in its update. Elsewhere `np.asarray` copies the value to the host.
+    thus costs the step no copy at all, and a variable updated before the
+    writer let go of its snapshot costs one, in its update. Elsewhere
+    `np.asarray` copies the value to the host.
     """
     return np.asarray(component.value())
 
@@ -237,10 +260,11 @@ def _host_blocks(key, variable, process) -> tuple[dict, list]:
     return entry, blocks
 
 
-def _checksum(array) -> int:
+def _checksum(array, stop=None) -> int:
     flat = np.asarray(array, order="C").reshape(-1).view(np.uint8)
     crc = 0
     for start in range(0, flat.size, _CRC_CHUNK):
+        _check(stop)
         crc = zlib.crc32(flat[start : start + _CRC_CHUNK], crc)
     return crc
 
@@ -261,7 +285,8 @@ class _DirectFile:
     _ALIGN = 4096  # Every disk's logical block size divides it.
     _STAGING = 8 * 2**20
 
-    def __init__(self, path):
+    def __init__(self, path, stop=None):
+        self._stop = stop
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self._direct = hasattr(os, "O_DIRECT")
         try:
@@ -286,6 +311,7 @@ class _DirectFile:
             self._filled += n
             start += n
             if self._filled == self._STAGING:
+                _check(self._stop)
                 self._flush(self._STAGING)
 
     def _flush(self, length) -> None:
@@ -319,21 +345,46 @@ class _DirectFile:
             os.ftruncate(self._fd, size)
             os.fsync(self._fd)
         finally:
-            os.close(self._fd)
-            del self._view
-            self._staging.close()
+            self.discard()
+
+    def discard(self) -> None:
+        """Closes without writing what is staged (a failed write)."""
+        os.close(self._fd)
+        del self._view
+        self._staging.close()
 
 
-def _write_part(folder, process, parts) -> None:
+class _Abandoned(Exception):
+    """The save was abandoned (`CheckpointSave._abandon`)."""
+
+
+def _check(stop) -> None:
+    if stop is not None and stop.is_set():
+        raise _Abandoned()
+
+
+def _part_files(folder, process) -> list:
+    return [
+        folder / f"process-{process}{suffix}"
+        for suffix in (".bin", ".json", ".json.tmp")
+    ]
+
+
+def _write_part(folder, process, parts, stop=None) -> None:
     """Writes `process-<k>.bin` and `process-<k>.json`, synced."""
     data = folder / f"process-{process}.bin"
     manifest = {}
     offset = 0
-    f = _DirectFile(data)
+    f = _DirectFile(data, stop)
     try:
         for key, (entry, blocks) in parts.items():
             written = []
-            for begin, array in blocks:
+            for i, (begin, array) in enumerate(blocks):
+                # The snapshot is let go once written: a variable whose
+                # buffer no snapshot holds is updated in place, without
+                # TensorFlow's copy-on-write (`_snapshot`).
+                blocks[i] = (begin, None)
+                _check(stop)
                 raw = np.asarray(array, order="C")
                 # Bytes as they are (a buffer of ml_dtypes' bfloat16 or
                 # float8 does not cast to "B").
@@ -345,13 +396,16 @@ def _write_part(folder, process, parts) -> None:
                         "shape": list(raw.shape),
                         "offset": offset,
                         "nbytes": raw.nbytes,
-                        "crc32": _checksum(raw),
+                        "crc32": _checksum(raw, stop),
                     }
                 )
                 offset += raw.nbytes
+                del array, raw
             manifest[key] = {**entry, "blocks": written}
-    finally:
-        f.close()
+    except BaseException:
+        f.discard()
+        raise
+    f.close()
     # Renamed into place: process 0 reads a part once its name exists.
     part = folder / f"process-{process}.json"
     temporary = folder / f"process-{process}.json.tmp"
@@ -485,15 +539,17 @@ def _write(
     metadata,
     timeout,
     on_commit,
+    stop=None,
 ):
     """Writes this process's part; process 0 then commits the index.
 
     Runs in the background thread. The waits here poll files with sleeps
     rather than the coordination service's barrier, which holds Python's
     GIL while it waits and would stop this process's training meanwhile.
+    Raises `_Abandoned` where `stop` is found set, before the commit.
     """
     folder = directory / name
-    _write_part(folder, process, parts)
+    _write_part(folder, process, parts, stop)
     _sync_folder(folder)
     if process == 0:
         _wait_for(
@@ -504,7 +560,9 @@ def _write(
             timeout,
             f"every process's part of {folder}",
             directory,
+            stop,
         )
+        _check(stop)
         _commit(directory, name, processes, metadata, on_commit, sequence)
     # The other processes are done once their part is written: the next
     # save's first barrier waits for process 0's commit. (Waiting here for
@@ -512,10 +570,11 @@ def _write(
     # then `BackupAndRestore` deletes the backup.)
 
 
-def _wait_for(condition, timeout, what, directory) -> None:
+def _wait_for(condition, timeout, what, directory, stop=None) -> None:
     deadline = time.monotonic() + timeout
     pause = 0.005
     while not condition():
+        _check(stop)
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"A sharded checkpoint is written by every process: call "
@@ -642,11 +701,18 @@ def save(
         _write(*arguments, timeout_seconds, on_commit)
         return CheckpointSave(directory, name)
     handle = CheckpointSave(directory, name)
+    handle._number, handle._processes = number, processes
 
     def run():
         try:
             _yield_to_training()
-            _write(*arguments, timeout_seconds, on_commit)
+            _write(*arguments, timeout_seconds, on_commit, handle._stop)
+        except _Abandoned:
+            for path in _part_files(directory / name, process):
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
         except BaseException as error:  # Re-raised by `wait()`.
             handle._error = error
             # Also said now: a script may never wait for its last save.

@@ -7,8 +7,10 @@ plain `BackupAndRestore` fit of `preempt_reference`'s data
 (`distribution_reference.preempt_dataset`). With `PREEMPT_MARK` and
 `PREEMPT_MARK_STEP` it writes its pid to the mark after that step and
 then sleeps `PREEMPT_SLOW` seconds per step, so the test can send SIGTERM
-mid-epoch. Reports its final weights and the
-(epoch, batch) of every step it trained.
+mid-epoch. With `PREEMPT_REFIT`, a second fit with the same backup folder
+follows, while the chief deletes the first one's backup slowly. Reports its
+final weights and the (epoch, batch) of every step it trained (and trained
+again).
 """
 
 import os
@@ -38,6 +40,19 @@ def _at_step(step):
         time.sleep(slow)
 
 
+if os.environ.get("PREEMPT_REFIT") and harness.task_index() == 0:
+    from keras.src.utils import file_utils
+
+    rmtree = file_utils.rmtree
+
+    def slow_rmtree(path):
+        # The chief deletes the backup at the fit's end: slowly, so that
+        # another process would find it if it did not wait.
+        time.sleep(3)
+        rmtree(path)
+
+    file_utils.rmtree = slow_rmtree
+
 model = reference.build_preempt()
 probe = ref.Probe(_at_step)
 backup = keras.callbacks.BackupAndRestore(sys.argv[1])
@@ -52,9 +67,20 @@ try:
 except SystemExit:
     harness.write_result({"trained": probe.trained, "preempted": True})
     raise
+again = None
+if os.environ.get("PREEMPT_REFIT"):
+    again = ref.Probe(None)
+    model.fit(
+        reference.preempt_dataset(),
+        shuffle=False,
+        epochs=ref.EPOCHS,
+        callbacks=[keras.callbacks.BackupAndRestore(sys.argv[1]), again],
+        verbose=0,
+    )
 harness.write_result(
     {
         "weights": [w.tolist() for w in model.get_weights()],
         "trained": probe.trained,
+        "trained_again": again and again.trained,
     }
 )
