@@ -213,10 +213,17 @@ def test_a_whole_backup_written_after_a_sharded_one_is_restored(
     assert_weights_close(weights, three_epochs)
 
 
+class _OwnEnd(keras.callbacks.BackupAndRestore):
+    """A subclass with an `on_train_end` of its own (which deletes too)."""
+
+    def on_train_end(self, logs=None):
+        shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("delete", [True, False], ids=["deleted", "kept"])
+@pytest.mark.parametrize("kind", ["deleted", "kept", "own_end"])
 def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
-    delete, one_device, tmp_path, monkeypatch, capfd
+    kind, one_device, tmp_path, monkeypatch, caplog
 ):
     committed = []
     commit = checkpoint._commit
@@ -226,20 +233,35 @@ def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
         return commit(directory, name, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "_commit", recording)
+    abandoned = []
+    abandon = checkpoint.CheckpointSave._abandon
+
+    def counted_abandon(self):
+        abandoned.append(self.name)
+        abandon(self)
+
+    monkeypatch.setattr(checkpoint.CheckpointSave, "_abandon", counted_abandon)
     # Every writer starts late: the fit ends while the last save waits.
     monkeypatch.setattr(checkpoint, "_yield_to_training", lambda: time.sleep(1))
+    if kind == "own_end":
+        monkeypatch.setattr(keras.callbacks, "BackupAndRestore", _OwnEnd)
     backup = tmp_path / "backup"
-    weights, _ = _fit("model_parallel", backup, 2, delete_checkpoint=delete)
+    weights, _ = _fit(
+        "model_parallel", backup, 2, delete_checkpoint=kind != "kept"
+    )
+    monkeypatch.undo()
     assert_weights_close(weights, one_device)
     # The first epoch's backup is written (the second save waits for it);
-    # the second's is abandoned when Keras deletes it next.
+    # the second's is abandoned when Keras' own `on_train_end` deletes it
+    # next, and written when it stays or a subclass's `on_train_end` runs.
     steps = ref.STEPS_PER_EPOCH
-    expected = (
-        [f"ckpt-{steps}"] if delete else [f"ckpt-{steps}", f"ckpt-{2 * steps}"]
-    )
-    assert committed == expected
-    assert backup.exists() == (not delete)
-    if not delete:
+    expected = [f"ckpt-{steps}", f"ckpt-{2 * steps}"]
+    assert committed == expected[: 1 if kind == "deleted" else 2]
+    # Only the save in flight: one abandonment (one barrier), not one for
+    # every backup of the fit.
+    assert abandoned == (expected[1:] if kind == "deleted" else [])
+    assert backup.exists() == (kind == "kept")
+    if kind == "kept":
         index = checkpoint._read_index(backup / "sharded")
         assert index["checkpoint"] == f"ckpt-{2 * steps}"
-    assert "was not written" not in capfd.readouterr().err
+    assert "was not written" not in caplog.text

@@ -300,14 +300,23 @@ def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
     saved = _trained_on(_model_parallel((1, 4)), tmp_path)
     expected = _state(saved)
     _fit(saved)
-    # The writer pauses at `where` until the stop is set: the check after
-    # it must find the stop.
+    # The writer pauses at `where` until the stop is set: the check right
+    # after it must find the stop, so nothing more is written or summed.
     reached, go = threading.Event(), threading.Event()
+    after_stop = []
 
     def pause():
         reached.set()
         assert go.wait(60)
 
+    write = checkpoint._DirectFile.write
+
+    def counted_write(self, raw):
+        if go.is_set():
+            after_stop.append("write")
+        write(self, raw)
+
+    monkeypatch.setattr(checkpoint._DirectFile, "write", counted_write)
     if where == "before":
         monkeypatch.setattr(checkpoint, "_yield_to_training", pause)
     elif where == "flush":
@@ -315,8 +324,11 @@ def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
         flush = checkpoint._DirectFile._flush
 
         def flush_then_pause(self, length):
+            if go.is_set():
+                after_stop.append("flush")
             flush(self, length)
-            pause()
+            if not go.is_set():
+                pause()
 
         monkeypatch.setattr(checkpoint._DirectFile, "_flush", flush_then_pause)
     else:
@@ -324,7 +336,10 @@ def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
         crc32 = checkpoint.zlib.crc32
 
         def pause_then_crc(data, value):
-            pause()
+            if go.is_set():
+                after_stop.append("crc32")
+            else:
+                pause()
             return crc32(data, value)
 
         monkeypatch.setattr(checkpoint.zlib, "crc32", pause_then_crc)
@@ -335,6 +350,7 @@ def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
     handle._abandon()
     monkeypatch.undo()
     assert handle.done()
+    assert after_stop == []
     handle.wait()  # No error: an abandoned save is no failure.
     index = json.loads((tmp_path / "ckpt/index.json").read_text())
     assert index["checkpoint"] == "ckpt-2"

@@ -190,55 +190,70 @@ def _on_train_end(original, self, logs=None):
         if run.agreement.should_stop_at_end():
             # A fit that trained nothing leaves the restored backup as is.
             _stop(self, run, save=run.in_epochs)
-    if run is None:
-        return original(self, logs)
-    # Before `BackupAndRestore.on_train_end` deletes the backup.
-    _end_backups()
-    result = original(self, logs)
-    if _deletes_a_backup(self) and sharded.multi_process(run.strategy):
-        _deleted_everywhere(run.strategy)
-    return result
+    if run is not None:
+        # Before `BackupAndRestore.on_train_end` deletes the backup.
+        _finish_backups(abandon_deleted=True)
+    return original(self, logs)
 
 
-def _deletes_a_backup(callbacks) -> bool:
-    return any(
-        isinstance(c, keras.callbacks.BackupAndRestore)
-        and getattr(c, "delete_checkpoint", False)
+def _backups(callbacks) -> list:
+    return [
+        c
         for c in callbacks.callbacks
+        if isinstance(c, keras.callbacks.BackupAndRestore)
+    ]
+
+
+def _deletes_at_end(backup) -> bool:
+    """Whether Keras' own `on_train_end` deletes `backup`'s folder next.
+
+    Not so for a subclass with an `on_train_end` of its own: what it does
+    is not known, so its backup in flight is finished.
+    """
+    return bool(getattr(backup, "delete_checkpoint", False)) and (
+        type(backup).on_train_end is _Backup.on_train_end
     )
 
 
 _ends = itertools.count()
 
 
-def _deleted_everywhere(strategy) -> None:
-    """A barrier once the chief deleted the backup at a fit's end.
+def _backup_on_train_end(original, self, logs=None):
+    """Keras deletes the backup; then every process waits for that.
 
-    Every process reads a sharded backup from the one folder: without it,
-    a process whose next `fit` begins at once could find the backup half
-    deleted by the chief (an index whose files are gone).
+    Over several processes the chief deletes it, and every process reads
+    a sharded backup from the one folder: without the wait, a process
+    whose next `fit` began at once could find the backup half deleted
+    (an index whose files are gone), or whole, and restore it while the
+    others start afresh.
     """
-    with hang_watchdog.paused():
-        sharded.wait_for_processes(
-            strategy,
-            f"keras_replicator/backup_deleted/{next(_ends)}",
-            lambda seconds: (
-                "At the end of a fit every process waits for the chief to "
-                "delete the BackupAndRestore backup; the other processes "
-                f"did not get there within {seconds:g} s."
-            ),
-        )
+    run = _run_for(self.model)
+    try:
+        return original(self, logs)
+    finally:
+        if (
+            run is not None
+            and self.delete_checkpoint
+            and sharded.multi_process(run.strategy)
+        ):
+            with hang_watchdog.paused():
+                sharded.wait_for_processes(
+                    run.strategy,
+                    f"keras_replicator/backup_deleted/{next(_ends)}",
+                    lambda seconds: (
+                        "At the end of a fit every process waits for the "
+                        "chief to delete the BackupAndRestore backup; the "
+                        f"other processes did not get there within "
+                        f"{seconds:g} s (one of them may have failed)."
+                    ),
+                )
 
 
 def _stop(callbacks, run: _Run, save: bool = True) -> None:
     """Every worker at the same step: back up, then exit."""
     if getattr(callbacks, "_async_train", False):
         callbacks._flush_futures()
-    backups = [
-        c
-        for c in callbacks.callbacks
-        if isinstance(c, keras.callbacks.BackupAndRestore)
-    ]
+    backups = _backups(callbacks)
     for backup in backups if save else ():
         backup._save_model()
     # A sharded backup writes in the background: done before the exit.
@@ -309,27 +324,24 @@ _backup_saves: list = []
 
 
 def _wait_for_backups() -> None:
+    _finish_backups(abandon_deleted=False)
+
+
+def _finish_backups(abandon_deleted: bool) -> None:
+    """Waits for this process's sharded backup in flight, if any.
+
+    With `abandon_deleted` (a fit's end), one that Keras' `on_train_end`
+    deletes next (`delete_checkpoint=True`, the default) is abandoned
+    (`CheckpointSave._abandon`) rather than finished only to be deleted:
+    the fit's end does not wait for its write. The previous complete
+    backup stays until the deletion, so a crash in between (or a callback
+    whose `on_train_end` raises first) resumes from it.
+    """
     # A long write is no hang: the watchdog's clock stops meanwhile.
     with hang_watchdog.paused():
         while _backup_saves:
-            _, save = _backup_saves.pop()
-            save.wait()
-
-
-def _end_backups() -> None:
-    """At a fit's end: finishes the backups in flight that stay.
-
-    `BackupAndRestore(delete_checkpoint=True)` (the default) deletes its
-    backup right after this: a write still in flight is abandoned
-    (`CheckpointSave._abandon`) rather than finished only to be deleted,
-    which spared the fit the last write's time. The previous complete
-    backup stays until the deletion, so a crash in between resumes from
-    it. A backup that stays (`delete_checkpoint=False`) is waited for.
-    """
-    with hang_watchdog.paused():
-        while _backup_saves:
             backup, save = _backup_saves.pop()
-            if getattr(backup, "delete_checkpoint", False):
+            if abandon_deleted and _deletes_at_end(backup):
                 save._abandon()
             else:
                 save.wait()
@@ -379,7 +391,9 @@ def _save_sharded(self, run: _Run, target: str) -> None:
         metadata=metadata,
         on_commit=drop_whole_backup,
     )
-    _backup_saves.append((self, save))
+    # `checkpoint.save` waited for every earlier save (and raised its
+    # error): only this one can still be in flight.
+    _backup_saves[:] = [(self, save)]
     _log_state(f"saving to {target}", self.model, run.epoch, run.done)
 
 
@@ -827,6 +841,7 @@ PATCH = registry.register(
             registry.Target(_List, "on_train_end", _on_train_end),
             registry.Target(_Backup, "_save_model", _save_model),
             registry.Target(_Backup, "_load_model", _load_model),
+            registry.Target(_Backup, "on_train_end", _backup_on_train_end),
             registry.Target(
                 tf_trainer.TFEpochIterator,
                 "_enumerate_iterator",
@@ -843,6 +858,9 @@ PATCH = registry.register(
                 (
                     "def _save_model(self):",
                     "def _load_model(self):",
+                    "def on_train_end(self, logs=None):",
+                    "if self.delete_checkpoint and "
+                    "file_utils.exists(self.backup_dir):",
                     "self.model._initial_epoch = epoch",
                     'epoch = training_metadata["epoch"]',
                     "self.model.save_weights(filepath=self._weights_path, "

@@ -98,6 +98,7 @@ class CheckpointSave:
         self._stop = threading.Event()
         self._number = 0  # The save's barrier number (`_agree`).
         self._processes = 1
+        self._timeout = _DEFAULT_TIMEOUT
 
     def done(self) -> bool:
         """Whether the files and the index are written (or failed)."""
@@ -115,7 +116,7 @@ class CheckpointSave:
             error, self._error = self._error, None
             raise error
 
-    def _abandon(self, timeout=_DEFAULT_TIMEOUT) -> None:
+    def _abandon(self) -> None:
         """Stops the write where it is; every process calls it.
 
         For a save nobody will read: the backup that the end of `fit`
@@ -132,7 +133,13 @@ class CheckpointSave:
         if self._thread is not None:
             self._thread.join()
         self._error = None
-        _barrier(f"{self._number}/abandoned", self._processes, timeout)
+        _barrier(
+            f"{self._number}/abandoned",
+            self._processes,
+            self._timeout,
+            "A sharded backup in flight at the end of a fit is abandoned by "
+            "every process together.",
+        )
 
 
 _save_numbers = itertools.count()
@@ -315,22 +322,24 @@ class _DirectFile:
                 self._flush(self._STAGING)
 
     def _flush(self, length) -> None:
-        chunk = memoryview(self._staging)[:length]
-        try:
-            os.pwritev(self._fd, [chunk], self._offset)
-        except OSError as error:
-            # EINVAL: this file system refuses O_DIRECT writes after all.
-            if not self._direct or error.errno != errno.EINVAL:
-                raise
-            import fcntl  # POSIX, as O_DIRECT is.
+        # Released on the way out, also on an error: a view that a
+        # traceback keeps would stop `discard` closing the buffer.
+        with memoryview(self._staging)[:length] as chunk:
+            try:
+                os.pwritev(self._fd, [chunk], self._offset)
+            except OSError as error:
+                # EINVAL: this file system refuses O_DIRECT writes after all.
+                if not self._direct or error.errno != errno.EINVAL:
+                    raise
+                import fcntl  # POSIX, as O_DIRECT is.
 
-            self._direct = False
-            fcntl.fcntl(
-                self._fd,
-                fcntl.F_SETFL,
-                fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT,
-            )
-            os.pwritev(self._fd, [chunk], self._offset)
+                self._direct = False
+                fcntl.fcntl(
+                    self._fd,
+                    fcntl.F_SETFL,
+                    fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT,
+                )
+                os.pwritev(self._fd, [chunk], self._offset)
         self._offset += length
         self._filled = 0
 
@@ -363,16 +372,17 @@ def _check(stop) -> None:
         raise _Abandoned()
 
 
-def _part_files(folder, process) -> list:
-    return [
+def _part_files(folder, process) -> tuple:
+    """Process k's data, its part of the index, and that part's draft."""
+    return tuple(
         folder / f"process-{process}{suffix}"
         for suffix in (".bin", ".json", ".json.tmp")
-    ]
+    )
 
 
 def _write_part(folder, process, parts, stop=None) -> None:
     """Writes `process-<k>.bin` and `process-<k>.json`, synced."""
-    data = folder / f"process-{process}.bin"
+    data, part, temporary = _part_files(folder, process)
     manifest = {}
     offset = 0
     f = _DirectFile(data, stop)
@@ -407,8 +417,6 @@ def _write_part(folder, process, parts, stop=None) -> None:
         raise
     f.close()
     # Renamed into place: process 0 reads a part once its name exists.
-    part = folder / f"process-{process}.json"
-    temporary = folder / f"process-{process}.json.tmp"
     with open(temporary, "w") as f:
         json.dump(manifest, f)
         f.flush()
@@ -430,7 +438,7 @@ def _sync_folder(folder) -> None:
         os.close(descriptor)
 
 
-def _barrier(name, processes, timeout) -> None:
+def _barrier(name, processes, timeout, what=None) -> None:
     if processes == 1:
         return
     try:
@@ -438,10 +446,13 @@ def _barrier(name, processes, timeout) -> None:
             f"keras_replicator/checkpoint/{name}", int(timeout * 1000)
         )
     except (tf.errors.OpError, RuntimeError) as error:
-        raise RuntimeError(
+        what = what or (
             "A sharded checkpoint is written by every process: call "
-            "`save_checkpoint` on every process, at the same point. The "
-            f"other processes did not reach {name!r} within {timeout:g} s."
+            "`save_checkpoint` on every process, at the same point."
+        )
+        raise RuntimeError(
+            f"{what} The other processes did not reach {name!r} within "
+            f"{timeout:g} s."
         ) from error
 
 
@@ -702,6 +713,7 @@ def save(
         return CheckpointSave(directory, name)
     handle = CheckpointSave(directory, name)
     handle._number, handle._processes = number, processes
+    handle._timeout = timeout_seconds
 
     def run():
         try:

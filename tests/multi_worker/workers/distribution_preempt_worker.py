@@ -8,9 +8,10 @@ plain `BackupAndRestore` fit of `preempt_reference`'s data
 `PREEMPT_MARK_STEP` it writes its pid to the mark after that step and
 then sleeps `PREEMPT_SLOW` seconds per step, so the test can send SIGTERM
 mid-epoch. With `PREEMPT_REFIT`, a second fit with the same backup folder
-follows, while the chief deletes the first one's backup slowly. Reports its
-final weights and the (epoch, batch) of every step it trained (and trained
-again).
+follows, while the chief deletes the first one's backup slowly (and each
+backup's writer starts 1 s late, so each fit ends with one in flight).
+Reports its final weights and the (epoch, batch) of every step it trained
+(and trained again).
 """
 
 import os
@@ -40,6 +41,12 @@ def _at_step(step):
         time.sleep(slow)
 
 
+if os.environ.get("PREEMPT_REFIT"):
+    from keras_replicator._src.sharding import checkpoint
+
+    # Every writer starts late: each fit ends with its last backup in
+    # flight, which every process abandons together.
+    checkpoint._yield_to_training = lambda: time.sleep(1)
 if os.environ.get("PREEMPT_REFIT") and harness.task_index() == 0:
     from keras.src.utils import file_utils
 
