@@ -43,14 +43,19 @@ def _profile(case, steps, folder):
     import numpy as np
     import tensorflow as tf
 
-    if case != "one_device":
-        keras.distribution.set_distribution(vs_jax._distribution(case))
-    rng = np.random.default_rng(0)
-    rows = vs_jax.GLOBAL_BATCH * steps
-    x = rng.normal(size=(rows, vs_jax.WIDTH)).astype("float32")
-    y = rng.normal(size=(rows, vs_jax.WIDTH)).astype("float32")
-    model = relu_mlp(vs_jax.WIDTH)
-    fit = dict(batch_size=vs_jax.GLOBAL_BATCH, shuffle=False, verbose=0)
+    if case.startswith("gemma"):
+        model, x, y, batch = vs_jax._gemma(
+            argparse.Namespace(case=case, steps=steps, jit=False)
+        )
+    else:
+        if case != "one_device":
+            keras.distribution.set_distribution(vs_jax._distribution(case))
+        rng = np.random.default_rng(0)
+        batch = vs_jax.GLOBAL_BATCH
+        x = rng.normal(size=(batch * steps, vs_jax.WIDTH)).astype("float32")
+        y = rng.normal(size=(batch * steps, vs_jax.WIDTH)).astype("float32")
+        model = relu_mlp(vs_jax.WIDTH)
+    fit = dict(batch_size=batch, shuffle=False, verbose=0)
     model.fit(x, y, epochs=2, **fit)
     tf.profiler.experimental.start(folder)
     start = time.perf_counter()
@@ -92,7 +97,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--case",
-        choices=("one_device", "data_parallel", "model_parallel"),
+        choices=vs_jax.CASES,
         default="model_parallel",
     )
     parser.add_argument("--steps", type=int, default=10)

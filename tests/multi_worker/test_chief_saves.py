@@ -9,8 +9,9 @@ under a `MultiWorkerReplicator`. Before, a process other than the chief
 returned from `save_weights` while the chief still wrote and its
 `load_weights` failed on the file's lock (`BlockingIOError: unable to lock
 file`). The trained weights equal one device's. A save by the chief alone
-ends in a clear error within the collective timeout. One process group
-for every check.
+ends in a clear error within the collective timeout; a chief that writes
+for longer than that timeout is waited for. One process group for every
+check.
 """
 
 import keras
@@ -21,7 +22,7 @@ from tests.helpers import assert_weights_close
 from tests.multi_worker import harness
 
 WORKER = """
-import os, sys
+import os, sys, time
 import keras, numpy as np, tensorflow as tf
 from tensorflow.python.eager import context
 import keras_replicator as kr
@@ -80,10 +81,30 @@ for name in ("model_parallel", "data_parallel", "replicator"):
     if scope is not None:
         scope.__exit__(None, None, None)
 keras.distribution.set_distribution(None)
-# The chief saves alone (the replicator's model, whose save gathers
-# nothing): a clear error within the (here short) collective timeout.
+# The replicator's model (its save gathers nothing), with a short
+# collective timeout.
 strategy = model.distribute_strategy
 strategy._collective_timeout_seconds = 5
+# The chief writes for longer than the collective timeout (5 s): the others
+# wait for the file (a file's bound, at least 600 s), and load it.
+from keras.src.saving import saving_lib
+save_state = saving_lib._save_state
+if strategy.is_chief:
+    def slow_save_state(*args, **kwargs):
+        time.sleep(8)
+        return save_state(*args, **kwargs)
+    saving_lib._save_state = slow_save_state
+slow = os.path.join(out, "slow.weights.h5")
+model.set_weights([w * 2 for w in base])
+started = time.monotonic()
+model.save_weights(slow)
+report["slow_waited"] = time.monotonic() - started
+model.set_weights([np.zeros_like(w) for w in base])
+model.load_weights(slow)
+report["slow_loaded"] = all(
+    np.array_equal(a, w * 2) for a, w in zip(model.get_weights(), base))
+saving_lib._save_state = save_state
+# The chief saves alone: a clear error within the collective timeout.
 if strategy.is_chief:
     try:
         model.save_weights(os.path.join(out, "alone.weights.h5"))
@@ -161,7 +182,20 @@ def test_checkpoint_is_complete_when_fit_returns(workers):
         f"{name}{suffix}"
         for name in ("model_parallel", "data_parallel", "replicator")
         for suffix in (".weights.h5", ".checkpoint.weights.h5")
-    )
+    ) + ["slow.weights.h5"]
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(540)
+def test_the_others_wait_for_a_chief_writing_past_the_timeout(workers):
+    """A whole save that takes longer than the collective timeout is waited
+    for (a file's bound), not failed on the processes that do not write."""
+    results, out = workers
+    for r in results:
+        assert r.result["slow_loaded"] is True, r.index
+        # Each waited the chief's write out, past the 5 s collective bound.
+        assert r.result["slow_waited"] > 7, r.index
+    assert (out / "slow.weights.h5").exists()
 
 
 @pytest.mark.multi_worker

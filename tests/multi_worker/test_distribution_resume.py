@@ -244,10 +244,11 @@ def test_a_backup_reshards_between_one_host_and_two_workers(
 def test_a_second_fit_starts_afresh_on_every_worker(tmp_path):
     """The chief deletes the backup at a fit's end; nobody reads it first.
 
-    The chief deletes slowly (3 s): a worker that went straight on to the
+    The chief deletes slowly (6 s): a worker that went straight on to the
     next fit would find the backup, restore it and train nothing, while
-    the chief trained every step. Each fit ends with its last backup in
-    flight, abandoned by both processes together.
+    the chief trained every step; and one that waited only as long as the
+    collective timeout (4 s here) would fail. Each fit ends with its last
+    backup in flight, abandoned by both processes together.
     """
     backup = tmp_path / "backup"
     run = _launch(backup, tmp_path, "refit", {"PREEMPT_REFIT": "1"})

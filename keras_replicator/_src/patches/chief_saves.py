@@ -24,9 +24,13 @@ lock on the file half written. So a save is collective, as under
 `MultiWorkerMirroredStrategy`: a file the chief alone saves (`if chief:
 model.save_weights(...)`) fails within the collective timeout (else the
 replicator's start-up timeout, else 60 s) with an error that says so,
-instead of waiting forever. A sharded `BackupAndRestore` backup
-(`sharding/checkpoint.py`) does not come here: it writes in the
-background, and its save "returns" once this process's blocks are copied.
+instead of waiting forever. The wait at the end, for the chief's write, is
+bounded by at least 600 s (`sharded.FILE_WORK_SECONDS`): writing a model
+of many GB takes minutes, which one device would simply have taken. The
+hang watchdog's clock stops meanwhile, as for a `ModelCheckpoint`. A
+sharded `BackupAndRestore` backup (`sharding/checkpoint.py`) does not come
+here: it writes in the background, and its save "returns" once this
+process's blocks are copied.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from keras.src.saving import saving_lib
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import sharded
+from keras_replicator._src.training import hang_watchdog
 
 # Saves of this process, counted alike on every process (each barrier id is
 # used once per cluster).
@@ -101,18 +106,34 @@ def _read_along(model) -> None:
 
 
 def _together(strategy, number: int, stage: str, filepath) -> None:
+    if stage == "end":
+        # The others wait for the chief's write: work on a file.
+        def message(seconds):
+            return (
+                "A Keras save under a multi-process distribution returns on "
+                "every process once the chief has closed the file; the "
+                f"chief did not finish writing it within {seconds:g} s (it "
+                f"may have failed). Received: filepath={str(filepath)!r}"
+            )
+
+    else:
+
+        def message(seconds):
+            return (
+                "A Keras save under a multi-process distribution is written "
+                "by the chief and returns on every process once the file is "
+                "complete, so every process must call it at the same point "
+                "(`save_weights`, `save` and `ModelCheckpoint` on every "
+                "process, with one path), not under `if chief:`. The other "
+                f"processes did not reach the start of this save within "
+                f"{seconds:g} s. Received: filepath={str(filepath)!r}"
+            )
+
     sharded.wait_for_processes(
         strategy,
         f"keras_replicator/save/{number}/{stage}",
-        lambda seconds: (
-            "A Keras save under a multi-process distribution is written by "
-            "the chief and returns on every process once the file is "
-            "complete, so every process must call it at the same point "
-            "(`save_weights`, `save` and `ModelCheckpoint` on every process, "
-            "with one path), not under `if chief:`. The other processes did "
-            f"not reach the {stage} of this save within {seconds:g} s. "
-            f"Received: filepath={str(filepath)!r}"
-        ),
+        message,
+        file_work=stage == "end",
     )
 
 
@@ -122,16 +143,17 @@ def _save(original, model, filepath, *args, **kwargs):
     if strategy is None:
         return original(model, filepath, *args, **kwargs)
     number = next(_saves)
-    # Every process is done with the file (a `load_weights` of the last
-    # save) before the chief opens it for writing.
-    _together(strategy, number, "start", filepath)
-    result = None
-    if strategy.is_chief:
-        result = original(model, filepath, *args, **kwargs)
-    else:
-        _read_along(model)
-    # The chief has closed the file: it is complete for every process.
-    _together(strategy, number, "end", filepath)
+    with hang_watchdog.paused():
+        # Every process is done with the file (a `load_weights` of the
+        # last save) before the chief opens it for writing.
+        _together(strategy, number, "start", filepath)
+        result = None
+        if strategy.is_chief:
+            result = original(model, filepath, *args, **kwargs)
+        else:
+            _read_along(model)
+        # The chief has closed the file: it is complete for every process.
+        _together(strategy, number, "end", filepath)
     return result
 
 

@@ -246,6 +246,7 @@ def _backup_on_train_end(original, self, logs=None):
                         f"other processes did not get there within "
                         f"{seconds:g} s (one of them may have failed)."
                     ),
+                    file_work=True,
                 )
 
 

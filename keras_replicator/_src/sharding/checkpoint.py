@@ -76,7 +76,7 @@ VERSION = 1
 INDEX = "index.json"
 _logger = logging.getLogger("keras_replicator")
 _CRC_CHUNK = 1 << 24  # bytes per checksum update: a bounded transient
-_DEFAULT_TIMEOUT = 600.0
+_DEFAULT_TIMEOUT = sharded.FILE_WORK_SECONDS
 
 
 class CheckpointSave:

@@ -278,6 +278,9 @@ def full_value(variable: Any) -> tf.Tensor:
 # Host-side reads of sharded values, counted alike on every process.
 _host_reads = itertools.count()
 _DEFAULT_READ_TIMEOUT = 60.0
+# The least bound of a wait for another process's work on files, as the
+# default `timeout_seconds` of a sharded checkpoint (`checkpoint.py`).
+FILE_WORK_SECONDS = 600.0
 
 
 def _all_processes_here(strategy, path: str) -> None:
@@ -311,18 +314,26 @@ def _all_processes_here(strategy, path: str) -> None:
 
 
 def wait_for_processes(
-    strategy, barrier: str, message: Callable[[float], str]
+    strategy,
+    barrier: str,
+    message: Callable[[float], str],
+    file_work: bool = False,
 ) -> None:
     """A barrier of every process, bounded by the collective timeout.
 
     The bound is the replicator's collective timeout, else its start-up
-    timeout, else 60 s.
+    timeout, else 60 s. A wait for another process's work on files (the
+    chief writing a whole save, deleting a backup) is bounded by at least
+    `FILE_WORK_SECONDS`, as a sharded checkpoint's barriers are: a model
+    of many GB takes minutes to write, and the processes waiting for it
+    must not fail where one device would simply have written it.
 
     Args:
         strategy: The multi-process replicator.
         barrier: The barrier's id: every process passes the same one, and
             each id is used once per cluster.
         message: The error's text, given the bound in seconds.
+        file_work: Whether the processes may wait for work on files.
 
     Raises:
         RuntimeError: If the other processes did not arrive in time.
@@ -332,6 +343,8 @@ def wait_for_processes(
         or getattr(strategy, "timeout_seconds", None)
         or _DEFAULT_READ_TIMEOUT
     )
+    if file_work:
+        seconds = max(seconds, FILE_WORK_SECONDS)
     try:
         context.context().wait_at_barrier(barrier, int(seconds * 1000))
     except (tf.errors.OpError, RuntimeError) as error:

@@ -8,8 +8,9 @@ plain `BackupAndRestore` fit of `preempt_reference`'s data
 `PREEMPT_MARK_STEP` it writes its pid to the mark after that step and
 then sleeps `PREEMPT_SLOW` seconds per step, so the test can send SIGTERM
 mid-epoch. With `PREEMPT_REFIT`, a second fit with the same backup folder
-follows, while the chief deletes the first one's backup slowly (and each
-backup's writer starts 1 s late, so each fit ends with one in flight).
+follows, while the chief deletes the first one's backup slowly, for longer
+than a collective timeout made short (and each backup's writer starts 1 s
+late, so each fit ends with one in flight).
 Reports its final weights and the (epoch, batch) of every step it trained
 (and trained again).
 """
@@ -54,13 +55,20 @@ if os.environ.get("PREEMPT_REFIT") and harness.task_index() == 0:
 
     def slow_rmtree(path):
         # The chief deletes the backup at the fit's end: slowly, so that
-        # another process would find it if it did not wait.
-        time.sleep(3)
+        # another process would find it if it did not wait, and for
+        # longer than the (short) collective timeout set below.
+        time.sleep(6)
         rmtree(path)
 
     file_utils.rmtree = slow_rmtree
 
 model = reference.build_preempt()
+if os.environ.get("PREEMPT_REFIT"):
+    import tensorflow as tf
+
+    # The others wait out the chief's deletion, work on files, which is
+    # bounded by at least 600 s, not by this bound of collectives.
+    tf.distribute.get_strategy()._collective_timeout_seconds = 4
 probe = ref.Probe(_at_step)
 backup = keras.callbacks.BackupAndRestore(sys.argv[1])
 try:
