@@ -12,8 +12,9 @@ under `keras-replicator launch --workers 2 --max-restarts 1`:
   (so the first test can fail), and the launcher, killed then, leaves no
   worker;
 - no false alarm: worker 0 takes 9 s to trace its first step and its
-  first validation step and 9 s more to write its first backup, each
-  time with worker 1 waiting for it, under a 6 s timeout;
+  first validation step, 9 s more to write its first backup and 9 s more
+  to write a `save_weights` of the user's own, each time with worker 1
+  waiting for it, under a 6 s timeout;
 - in a real Jupyter kernel, a `LocalReplicator` fit stuck in a callback
   ends with a `RuntimeError` and the kernel trains again after it.
 
@@ -219,6 +220,9 @@ def test_no_false_alarm_for_slow_tracing_validation_and_saves(
             # Worker 0 only, so worker 1 waits for it in a collective.
             "PREEMPT_SLOW_TRACE": str(UNTIMED_SLEEP),
             "PREEMPT_SLOW_SAVE": str(UNTIMED_SLEEP),
+            # The chief's write of the user's own save, which worker 1
+            # waits for in `save_weights`.
+            "PREEMPT_SLOW_OWN_SAVE": str(UNTIMED_SLEEP),
             "PREEMPT_VALIDATE": "1",
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
         },
@@ -227,6 +231,7 @@ def test_no_false_alarm_for_slow_tracing_validation_and_saves(
     # Both traces (fit's first step, validation's) and the save were slow.
     assert results[0].output.count(f"slow trace: {UNTIMED_SLEEP} s") == 2
     assert results[0].output.count(f"slow save: {UNTIMED_SLEEP} s") == 1
+    assert results[0].output.count(f"slow own save: {UNTIMED_SLEEP} s") == 1
     for result in results:
         assert "keras-replicator watchdog" not in result.output, result.output
         ref.assert_weights(result.result, one_device)

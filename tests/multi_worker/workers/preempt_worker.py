@@ -24,6 +24,9 @@ environment adds test instrumentation:
   validation).
 - `PREEMPT_SLOW_SAVE`: seconds; worker 0's first backup save takes that
   much longer (after writing its file).
+- `PREEMPT_SLOW_OWN_SAVE`: seconds; at the first epoch's end a callback
+  saves the weights itself on every process (`model.save_weights`), and
+  worker 0 (the chief, which writes the file) takes that much longer.
 - `PREEMPT_VALIDATE`: "1" adds validation data to the fit.
 - `PREEMPT_TERM_AT_END`: "1": worker 1 sends itself SIGTERM at the end of
   the last epoch, after the last step's check.
@@ -139,8 +142,36 @@ class _TermAtEnd(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _OwnSave(keras.callbacks.Callback):
+    """The user's own save at an epoch's end, the chief's write slow."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch != 0:
+            return
+        from keras.src.saving import saving_lib
+
+        save_state = saving_lib._save_state
+
+        def slow_save_state(*args, **kwargs):
+            # Once: `_save_state` calls itself for each layer.
+            saving_lib._save_state = save_state
+            print(f"slow own save: {slow_own_save:g} s", flush=True)
+            time.sleep(slow_own_save)
+            return save_state(*args, **kwargs)
+
+        if index == 0:
+            saving_lib._save_state = slow_save_state
+        try:
+            self.model.save_weights(backup_dir + ".own.weights.h5")
+        finally:
+            saving_lib._save_state = save_state
+
+
 if os.environ.get("PREEMPT_TERM_AT_END") == "1":
     callbacks.append(_TermAtEnd())
+slow_own_save = float(os.environ.get("PREEMPT_SLOW_OWN_SAVE", "0"))
+if slow_own_save:
+    callbacks.append(_OwnSave())
 if os.environ.get("PREEMPT_VALIDATE") == "1":
     inputs["validation_data"] = (inputs["x"][:16], inputs["y"][:16])
 try:
