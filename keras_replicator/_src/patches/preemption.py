@@ -258,7 +258,7 @@ def _stop(callbacks, run: _Run, save: bool = True) -> None:
     for backup in backups if save else ():
         backup._save_model()
     # A sharded backup writes in the background: done before the exit.
-    _wait_for_backups()
+    _finish_backups(abandon_deleted=False)
     signum = preemption.pending()
     cause = "a preemption signal on another worker"
     if signum is not None:
@@ -322,10 +322,6 @@ def _save_model(original, self):
 # Sharded backups in flight (the fit's end and a preemption's exit wait for
 # them; a user's own `save_checkpoint` is not waited for there).
 _backup_saves: list = []
-
-
-def _wait_for_backups() -> None:
-    _finish_backups(abandon_deleted=False)
 
 
 def _finish_backups(abandon_deleted: bool) -> None:
@@ -444,7 +440,7 @@ def _load_model(original, self):
         return original(self)
     # A backup of this process still being written (a fit that raised,
     # retried in a notebook) is complete before it is looked for.
-    _wait_for_backups()
+    _finish_backups(abandon_deleted=False)
     sharded = sharded_backup(target)
     if sharded is not None:
         # A ModelParallel run's backup loads onto whatever this run has.

@@ -66,7 +66,6 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
@@ -441,19 +440,18 @@ def _sync_folder(folder) -> None:
 def _barrier(name, processes, timeout, what=None) -> None:
     if processes == 1:
         return
-    try:
-        context.context().wait_at_barrier(
-            f"keras_replicator/checkpoint/{name}", int(timeout * 1000)
-        )
-    except (tf.errors.OpError, RuntimeError) as error:
-        what = what or (
-            "A sharded checkpoint is written by every process: call "
-            "`save_checkpoint` on every process, at the same point."
-        )
-        raise RuntimeError(
+    what = what or (
+        "A sharded checkpoint is written by every process: call "
+        "`save_checkpoint` on every process, at the same point."
+    )
+    sharded.barrier_of_processes(
+        f"keras_replicator/checkpoint/{name}",
+        timeout,
+        lambda seconds: (
             f"{what} The other processes did not reach {name!r} within "
-            f"{timeout:g} s."
-        ) from error
+            f"{seconds:g} s."
+        ),
+    )
 
 
 def _commit(

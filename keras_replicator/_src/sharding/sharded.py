@@ -345,6 +345,18 @@ def wait_for_processes(
     )
     if file_work:
         seconds = max(seconds, FILE_WORK_SECONDS)
+    barrier_of_processes(barrier, seconds, message)
+
+
+def barrier_of_processes(
+    barrier: str, seconds: float, message: Callable[[float], str]
+) -> None:
+    """Every process at the coordination service's `barrier`, or an error.
+
+    Raises:
+        RuntimeError: `message(seconds)`, if the other processes did not
+            arrive within `seconds`.
+    """
     try:
         context.context().wait_at_barrier(barrier, int(seconds * 1000))
     except (tf.errors.OpError, RuntimeError) as error:
