@@ -71,7 +71,9 @@ def _setting(name, mesh=(1, 4)):
         keras.distribution.set_distribution(None)
 
 
-def _fit(name, backup, epochs, mesh=(1, 4), at_step=None, **backup_args):
+def _fit(
+    name, backup, epochs, mesh=(1, 4), at_step=None, more=(), **backup_args
+):
     """A new model's fit in setting `name`; its weights and steps trained."""
     with _setting(name, mesh):
         model = reference.build_preempt()
@@ -83,6 +85,7 @@ def _fit(name, backup, epochs, mesh=(1, 4), at_step=None, **backup_args):
             callbacks=[
                 keras.callbacks.BackupAndRestore(str(backup), **backup_args),
                 probe,
+                *more,
             ],
             verbose=0,
         )
@@ -220,8 +223,16 @@ class _OwnEnd(keras.callbacks.BackupAndRestore):
         shutil.rmtree(self.backup_dir, ignore_errors=True)
 
 
+class _StopAfterTwo(keras.callbacks.Callback):
+    """Stops the training at the second epoch's end (after its backup)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            self.model.stop_training = True
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["deleted", "kept", "own_end"])
+@pytest.mark.parametrize("kind", ["deleted", "stopped", "kept", "own_end"])
 def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
     kind, one_device, tmp_path, monkeypatch, caplog
 ):
@@ -245,21 +256,39 @@ def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
     monkeypatch.setattr(checkpoint, "_yield_to_training", lambda: time.sleep(1))
     if kind == "own_end":
         monkeypatch.setattr(keras.callbacks, "BackupAndRestore", _OwnEnd)
+    begun = []
+    save = checkpoint.save
+
+    def counted_save(*args, **kwargs):
+        handle = save(*args, **kwargs)
+        begun.append(handle.name)
+        return handle
+
+    monkeypatch.setattr(checkpoint, "save", counted_save)
     backup = tmp_path / "backup"
+    # "stopped": 3 epochs, stopped by a callback after the second.
     weights, _ = _fit(
-        "model_parallel", backup, 2, delete_checkpoint=kind != "kept"
+        "model_parallel",
+        backup,
+        3 if kind == "stopped" else 2,
+        more=[_StopAfterTwo()] if kind == "stopped" else [],
+        delete_checkpoint=kind != "kept",
     )
     monkeypatch.undo()
     assert_weights_close(weights, one_device)
-    # The first epoch's backup is written (the second save waits for it);
-    # the second's is abandoned when Keras' own `on_train_end` deletes it
-    # next, and written when it stays or a subclass's `on_train_end` runs.
+    # The first epoch's backup is written: the second save waits for it,
+    # or, where there is none, the fit's end (no earlier backup to resume
+    # from). The second, at the end of the training with Keras' own
+    # `on_train_end` deleting it next, is not even begun; stopped early,
+    # it is begun and abandoned; it is written when it stays or a
+    # subclass's `on_train_end` runs.
     steps = ref.STEPS_PER_EPOCH
     expected = [f"ckpt-{steps}", f"ckpt-{2 * steps}"]
-    assert committed == expected[: 1 if kind == "deleted" else 2]
+    assert begun == expected[: 1 if kind == "deleted" else 2]
+    assert committed == expected[: 1 if kind in ("deleted", "stopped") else 2]
     # Only the save in flight: one abandonment (one barrier), not one for
     # every backup of the fit.
-    assert abandoned == (expected[1:] if kind == "deleted" else [])
+    assert abandoned == (expected[1:] if kind == "stopped" else [])
     assert backup.exists() == (kind == "kept")
     if kind == "kept":
         index = checkpoint._read_index(backup / "sharded")

@@ -198,7 +198,9 @@ def test_no_false_alarm_for_a_slow_first_step_saves_and_validation(
         verbose=0,
     )
     assert slept == ["train trace", "test trace"]
-    assert len(saves) == 4
+    # Both checkpoints and the first backup: the second, at the training's
+    # end, would be deleted unread (Keras' `delete_checkpoint=True`).
+    assert len(saves) == 3
     # A stall warning (at half the timeout) may come on a busy machine; the
     # watchdog must not fire.
     err = capfd.readouterr().err
@@ -239,7 +241,10 @@ def test_what_is_not_timed_is_bounded_at_five_timeouts(
     # A save is timed from step 2's end: 2 s there, so that a busy core
     # stalling step 2 past the timeout cannot be what fires (10 s bound).
     monkeypatch.setenv(env.HANG_SECONDS, "1" if where == "first step" else "2")
-    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    # Kept: a backup deleted at the end is not made at the end.
+    backup = keras.callbacks.BackupAndRestore(
+        str(tmp_path / "backup"), delete_checkpoint=False
+    )
     with pytest.raises(RuntimeError, match="hang watchdog stopped this fit"):
         model.fit(x, y, batch_size=8, callbacks=[backup], verbose=0)
     what = "its first step" if where == "first step" else "a checkpoint save"
@@ -404,7 +409,10 @@ def test_the_backstop_follows_the_watchdog_and_stands_down_with_it(tmp_path):
         batch_size=8,
         callbacks=[
             Look(),
-            keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+            # Kept: a backup deleted at the end is not made at the end.
+            keras.callbacks.BackupAndRestore(
+                str(tmp_path / "backup"), delete_checkpoint=False
+            ),
         ],
         verbose=0,
     )

@@ -100,6 +100,8 @@ class _Run:
         self.made = 0
         # What a restored backup recorded, for the data iterator.
         self.resume = None
+        # Set while a preemption backs up and exits (`_stop`).
+        self.stopping = False
 
 
 _runs: list[_Run] = []
@@ -215,6 +217,29 @@ def _deletes_at_end(backup) -> bool:
     )
 
 
+def _deleted_unread(backup, run: _Run) -> bool:
+    """Whether a save of `backup` now would be deleted unread, so is skipped.
+
+    So at the training's end (the last epoch's last step, or its end) when
+    Keras' own `on_train_end` deletes the backup next: the save would cost
+    its write (minutes of a large model's, on shared storage) for nothing.
+    A crash before the deletion resumes from the previous backup, at most
+    `save_freq` steps back, as a crash between any two saves does. A
+    preemption's backup (`_stop`) is always written: the restarted script
+    skips the fit it finished. Where the number of steps is not known (a
+    dataset of unknown length), every save is written.
+    """
+    if run.stopping or not _deletes_at_end(backup):
+        return False
+    params = getattr(backup, "params", None) or {}
+    epochs, steps = params.get("epochs"), params.get("steps")
+    if not epochs:
+        return False
+    if run.epoch >= epochs:  # The last epoch's end.
+        return True
+    return bool(steps) and run.epoch == epochs - 1 and run.done >= steps
+
+
 _ends = itertools.count()
 
 
@@ -255,6 +280,7 @@ def _stop(callbacks, run: _Run, save: bool = True) -> None:
     if getattr(callbacks, "_async_train", False):
         callbacks._flush_futures()
     backups = _backups(callbacks)
+    run.stopping = True
     for backup in backups if save else ():
         backup._save_model()
     # A sharded backup writes in the background: done before the exit.
@@ -311,6 +337,12 @@ def _save_model(original, self):
     run = _run_for(self.model)
     if run is None:
         return original(self)
+    if _deleted_unread(self, run):
+        _logger.debug(
+            "BackupAndRestore: no backup at the end of the training, "
+            "which Keras deletes next (delete_checkpoint=True)."
+        )
+        return None
     # A save may take long; the hang watchdog's clock stops meanwhile.
     with hang_watchdog.paused():
         target = chief_only.real_backup_dir(self)
@@ -332,13 +364,15 @@ def _finish_backups(abandon_deleted: bool) -> None:
     (`CheckpointSave._abandon`) rather than finished only to be deleted:
     the fit's end does not wait for its write. The previous complete
     backup stays until the deletion, so a crash in between (or a callback
-    whose `on_train_end` raises first) resumes from it.
+    whose `on_train_end` raises first) resumes from it. With no previous
+    backup (the fit's first save), the save is finished: nothing else
+    would be there to resume from.
     """
     # A long write is no hang: the watchdog's clock stops meanwhile.
     with hang_watchdog.paused():
         while _backup_saves:
             backup, save = _backup_saves.pop()
-            if abandon_deleted and _deletes_at_end(backup):
+            if abandon_deleted and _deletes_at_end(backup) and save._replaces:
                 save._abandon()
             else:
                 save.wait()

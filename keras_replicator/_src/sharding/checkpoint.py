@@ -96,6 +96,9 @@ class CheckpointSave:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._number = 0  # The save's barrier number (`_agree`).
+        # Whether a complete checkpoint was there when it began (which an
+        # abandoned save leaves).
+        self._replaces = False
         self._processes = 1
         self._timeout = _DEFAULT_TIMEOUT
 
@@ -712,6 +715,9 @@ def save(
     handle = CheckpointSave(directory, name)
     handle._number, handle._processes = number, processes
     handle._timeout = timeout_seconds
+    # Read after `_agree`, when every earlier save has committed: the same
+    # on every process.
+    handle._replaces = _read_index(directory) is not None
 
     def run():
         try:
