@@ -3,8 +3,8 @@
 The step of `vs_jax.py` (an MLP of four Dense(2048), Adam, global batch 64,
 on 4 CPU devices of one process), one case per run: `one_device`,
 `data_parallel` or `model_parallel` (a 1x4 mesh); or its keras-hub Gemma,
-`gemma_one_device` or `gemma_model_parallel` (Gemma's own layout map). After two warm-up
-epochs (tracing), one epoch of `--steps` steps runs under
+`gemma_one_device` or `gemma_model_parallel` (Gemma's own layout map).
+After two warm-up epochs (tracing), one epoch of `--steps` steps runs under
 `tf.profiler.experimental` (the host tracer: every op the executor runs,
 and the collective executor's threads); the XSpace it writes is read back
 and summed:
