@@ -4,13 +4,17 @@ Stock Keras fails here both with two replicas per worker (one XLA cluster
 for every local replica) and with one (the cluster holds the gradients'
 collective all-reduce, which XLA does not compile on CPU); see
 `per_replica_jit`. `build` and `train` run both in the workers and in the
-single-process reference, so both run exactly the same Keras code.
+single-process reference, so both run exactly the same Keras code. And
+under `keras.distribution.ModelParallel` over 2 processes x 2 devices
+(each device's share of the step compiled between the collectives), on a
+(1, 4) mesh whose model axis spans the processes and on a (2, 2) one.
 """
 
 import numpy as np
 import pytest
 
 from tests import helpers
+from tests.multi_worker import distribution_reference
 from tests.multi_worker import harness
 
 GLOBAL_BATCH = 16
@@ -102,3 +106,56 @@ def test_jit_fit_evaluate_predict_match_single_process(
             zip(got["weights"], expected["weights"], strict=True)
         ):
             helpers.assert_close(a, e, f"weight {i}, worker {w.index}")
+
+
+MODEL_PARALLEL_WORKER = """
+import sys
+
+import keras
+import numpy as np
+
+import keras_replicator  # noqa: F401
+from tests.multi_worker import distribution_reference as reference
+from tests.multi_worker import harness
+
+keras.distribution.initialize()
+init = list(np.load(sys.argv[1]).values())
+report = {}
+for kind in ("model_across", "model_parallel"):
+    keras.distribution.set_distribution(reference.distribution(kind))
+    model = reference.build()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=True,
+    )
+    model.set_weights(init)
+    report[kind] = {
+        "history": reference.train(model),
+        "weights": model.get_weights(),
+    }
+harness.write_result(report)
+"""
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(400)
+def test_jit_under_model_parallel_over_processes_matches_one_device(tmp_path):
+    expected = distribution_reference.one_device_run(tmp_path)
+    workers = harness.run_workers(
+        MODEL_PARALLEL_WORKER,
+        num_workers=2,
+        replicas_per_worker=2,
+        timeout=300,
+        args=[str(expected["init"])],
+        # TensorFlow logs its first XLA compilation at this level.
+        env={"TF_CPP_MIN_LOG_LEVEL": "0"},
+    )
+    for w in workers:
+        assert "Compiled cluster using XLA" in w.output, w.index
+        assert "compiles each device's share" in w.output, w.index
+        for kind in ("model_across", "model_parallel"):
+            distribution_reference.assert_matches(
+                w.result[kind], expected, 1e-5, f"{kind}, worker {w.index}"
+            )
