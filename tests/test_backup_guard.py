@@ -294,3 +294,36 @@ def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
         index = checkpoint._read_index(backup / "sharded")
         assert index["checkpoint"] == f"ckpt-{2 * steps}"
     assert "was not written" not in caplog.text
+
+
+@pytest.mark.timeout(300)
+def test_no_backup_at_the_last_step_when_keras_deletes_it(
+    one_device, tmp_path, monkeypatch
+):
+    """`save_freq` in steps: the save at the training's last step is not
+    made when Keras deletes the backup next, and is when it is kept."""
+    begun = {}
+    save = checkpoint.save
+
+    for delete in (True, False):
+        names = begun.setdefault(delete, [])
+
+        def counted_save(*args, names=names, **kwargs):
+            handle = save(*args, **kwargs)
+            names.append(handle.name)
+            return handle
+
+        monkeypatch.setattr(checkpoint, "save", counted_save)
+        weights, _ = _fit(
+            "model_parallel",
+            tmp_path / f"backup-{delete}",
+            2,
+            save_freq=2,
+            delete_checkpoint=delete,
+        )
+        monkeypatch.undo()
+        assert_weights_close(weights, one_device)
+    last = f"ckpt-{2 * ref.STEPS_PER_EPOCH}"
+    assert begun[False][-1] == last
+    assert len(begun[False]) == ref.STEPS_PER_EPOCH
+    assert begun[True] == begun[False][:-1]

@@ -10,8 +10,9 @@ returned from `save_weights` while the chief still wrote and its
 `load_weights` failed on the file's lock (`BlockingIOError: unable to lock
 file`). The trained weights equal one device's. A save by the chief alone
 ends in a clear error within the collective timeout; a chief that writes
-for longer than that timeout is waited for. One process group for every
-check.
+for longer than that timeout is waited for (under `ModelParallel` between
+its reads of sharded values too), and a chief's failed write fails the
+others at once. One process group for every check.
 """
 
 import keras
@@ -66,6 +67,31 @@ for name in ("model_parallel", "data_parallel", "replicator"):
             np.array_equal(a, w + i)
             for a, w in zip(model.get_weights(), base)))
     model.set_weights(base)
+    if name == "model_parallel":
+        # The chief writes for longer than the collective timeout (5 s)
+        # before its read of the sharded h/kernel, which every process
+        # joins: the others wait for the file (at least 600 s).
+        strategy = tf.distribute.get_strategy()
+        strategy._collective_timeout_seconds = 5
+        from keras.src.saving import saving_lib
+        save_state = saving_lib._save_state
+        if strategy.is_chief:
+            def slow_before_h(saveable, *args, **kwargs):
+                if getattr(saveable, "name", None) == "h":
+                    time.sleep(8)
+                return save_state(saveable, *args, **kwargs)
+            saving_lib._save_state = slow_before_h
+        slow = os.path.join(out, "slow_model_parallel.weights.h5")
+        started = time.monotonic()
+        model.save_weights(slow)
+        report["slow_model_parallel_waited"] = time.monotonic() - started
+        saving_lib._save_state = save_state
+        strategy._collective_timeout_seconds = None
+        model.set_weights([np.zeros_like(w) for w in base])
+        model.load_weights(slow)
+        report["slow_model_parallel_loaded"] = all(
+            np.array_equal(a, w) for a, w in zip(model.get_weights(), base))
+        model.set_weights(base)
     checkpoint = os.path.join(out, name + ".checkpoint.weights.h5")
     model.fit(batches, epochs=2, verbose=0,
               callbacks=[keras.callbacks.ModelCheckpoint(
@@ -104,6 +130,20 @@ model.set_weights([np.zeros_like(w) for w in base])
 model.load_weights(slow)
 report["slow_loaded"] = all(
     np.array_equal(a, w * 2) for a, w in zip(model.get_weights(), base))
+saving_lib._save_state = save_state
+# The chief's write fails: the others raise its error at once, not at the
+# end of a file's bound.
+if strategy.is_chief:
+    def failing_save_state(*args, **kwargs):
+        saving_lib._save_state = save_state
+        raise OSError("No space left on device (a test)")
+    saving_lib._save_state = failing_save_state
+started = time.monotonic()
+try:
+    model.save_weights(os.path.join(out, "failed.weights.h5"))
+except (OSError, RuntimeError) as error:
+    report["failed"] = [
+        type(error).__name__, str(error), time.monotonic() - started]
 saving_lib._save_state = save_state
 # The chief saves alone: a clear error within the collective timeout.
 if strategy.is_chief:
@@ -179,11 +219,16 @@ def test_checkpoint_is_complete_when_fit_returns(workers):
             assert_weights_close(got["trained"], expected)
             assert_weights_close(got["checkpoint"], expected)
     # Only the chief wrote, each file once.
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"{name}{suffix}"
-        for name in ("model_parallel", "data_parallel", "replicator")
-        for suffix in (".weights.h5", ".checkpoint.weights.h5")
-    ) + ["slow.weights.h5"]
+    # (The failed save's file, if Keras left one, aside.)
+    written = [p.name for p in out.iterdir() if p.name != "failed.weights.h5"]
+    assert sorted(written) == sorted(
+        [
+            f"{name}{suffix}"
+            for name in ("model_parallel", "data_parallel", "replicator")
+            for suffix in (".weights.h5", ".checkpoint.weights.h5")
+        ]
+        + ["slow.weights.h5", "slow_model_parallel.weights.h5"]
+    )
 
 
 @pytest.mark.multi_worker
@@ -197,6 +242,34 @@ def test_the_others_wait_for_a_chief_writing_past_the_timeout(workers):
         # Each waited the chief's write out, past the 5 s collective bound.
         assert r.result["slow_waited"] > 7, r.index
     assert (out / "slow.weights.h5").exists()
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(540)
+def test_under_model_parallel_the_others_wait_for_the_chief_between_reads(
+    workers,
+):
+    """Each sharded value's read waits for the chief's writes before it."""
+    results, out = workers
+    for r in results:
+        assert r.result["slow_model_parallel_loaded"] is True, r.index
+        assert r.result["slow_model_parallel_waited"] > 7, r.index
+    assert (out / "slow_model_parallel.weights.h5").exists()
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(540)
+def test_a_failed_chief_write_fails_every_process_at_once(workers):
+    results, _ = workers
+    kind, message, seconds = results[0].result["failed"]
+    assert kind == "OSError" and "No space left" in message
+    for r in results[1:]:
+        kind, message, seconds = r.result["failed"]
+        assert kind == "RuntimeError", r.index
+        assert "whose write failed" in message and "No space left" in message
+        assert "failed.weights.h5" in message
+        # At once: not at the end of the 600 s a file's wait may take.
+        assert seconds < 60, seconds
 
 
 @pytest.mark.multi_worker

@@ -247,8 +247,10 @@ def test_a_second_fit_starts_afresh_on_every_worker(tmp_path):
     The chief deletes slowly (6 s): a worker that went straight on to the
     next fit would find the backup, restore it and train nothing, while
     the chief trained every step; and one that waited only as long as the
-    collective timeout (4 s here) would fail. Each fit ends with its last
-    backup in flight, abandoned by both processes together.
+    collective timeout (4 s here) would fail. Each fit's last backup is
+    not made (Keras deletes it next); the one before is usually still in
+    flight at the end (its writer starts 1 s late), and is then abandoned
+    by both processes together.
     """
     backup = tmp_path / "backup"
     run = _launch(backup, tmp_path, "refit", {"PREEMPT_REFIT": "1"})

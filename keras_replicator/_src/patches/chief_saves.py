@@ -25,9 +25,14 @@ lock on the file half written. So a save is collective, as under
 model.save_weights(...)`) fails within the collective timeout (else the
 replicator's start-up timeout, else 60 s) with an error that says so,
 instead of waiting forever. The wait at the end, for the chief's write, is
-bounded by at least 600 s (`sharded.FILE_WORK_SECONDS`): writing a model
-of many GB takes minutes, which one device would simply have taken. The
-hang watchdog's clock stops meanwhile, as for a `ModelCheckpoint`. A
+bounded by at least 600 s (`sharded.FILE_WORK_SECONDS`), as are the
+others' waits between the chief's reads of sharded values
+(`sharded.waiting_on_files`): writing a model of many GB takes minutes,
+which one device would simply have taken. The hang watchdog's clock
+stops meanwhile, as for a `ModelCheckpoint` (so with the watchdog on, the
+wait is at most 5 times its timeout). A chief whose write fails says so
+in the coordination service's key-value store before the last barrier,
+and the others raise its error at once. A
 sharded `BackupAndRestore` backup (`sharding/checkpoint.py`) does not come
 here: it writes in the background, and its save "returns" once this
 process's blocks are copied.
@@ -39,6 +44,7 @@ import itertools
 
 from keras.src import backend
 from keras.src.saving import saving_lib
+from tensorflow.python.eager import context
 
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
@@ -143,18 +149,52 @@ def _save(original, model, filepath, *args, **kwargs):
     if strategy is None:
         return original(model, filepath, *args, **kwargs)
     number = next(_saves)
-    with hang_watchdog.paused():
+    failure = None
+    with hang_watchdog.paused(), sharded.waiting_on_files():
         # Every process is done with the file (a `load_weights` of the
         # last save) before the chief opens it for writing.
         _together(strategy, number, "start", filepath)
         result = None
         if strategy.is_chief:
-            result = original(model, filepath, *args, **kwargs)
+            try:
+                result = original(model, filepath, *args, **kwargs)
+            except Exception as error:  # Re-raised below, once said.
+                failure = error
+            # What became of the file, for the others: they raise the
+            # chief's error at once rather than at the end of their wait.
+            context.context().set_config_key_value(
+                _outcome_key(number), "" if failure is None else repr(failure)
+            )
         else:
             _read_along(model)
         # The chief has closed the file: it is complete for every process.
-        _together(strategy, number, "end", filepath)
+        try:
+            _together(strategy, number, "end", filepath)
+        except RuntimeError:
+            if failure is None:
+                raise
+        if failure is not None:
+            raise failure
+        if not strategy.is_chief:
+            _raise_if_the_chief_failed(number, filepath)
     return result
+
+
+def _outcome_key(number: int) -> str:
+    return f"keras_replicator/save/{number}/outcome"
+
+
+def _raise_if_the_chief_failed(number: int, filepath) -> None:
+    # Set by the chief before it reached the barrier just passed.
+    outcome = context.context().get_config_key_value(
+        _outcome_key(number), 60_000
+    )
+    if outcome:
+        raise RuntimeError(
+            "A Keras save under a multi-process distribution is written by "
+            f"the chief, whose write failed: {outcome}. Received: "
+            f"filepath={str(filepath)!r}"
+        )
 
 
 PATCH = registry.register(

@@ -227,7 +227,8 @@ def _deleted_unread(backup, run: _Run) -> bool:
     `save_freq` steps back, as a crash between any two saves does. A
     preemption's backup (`_stop`) is always written: the restarted script
     skips the fit it finished. Where the number of steps is not known (a
-    dataset of unknown length), every save is written.
+    dataset of unknown length), a save at the last step is written; the
+    last epoch's end is known either way (`save_freq="epoch"`).
     """
     if run.stopping or not _deletes_at_end(backup):
         return False

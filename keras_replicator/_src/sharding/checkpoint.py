@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
@@ -619,13 +620,40 @@ def _read_index(directory) -> dict | None:
     return index
 
 
-def _name(model, directory, step) -> tuple[str, int]:
-    """The new checkpoint's folder name and its number in `directory`.
+def _agreed_name(
+    model, directory, step, process, processes, number, timeout
+) -> tuple[str, int, bool]:
+    """`_name` as process 0 reads it, the same on every process.
 
-    Every process computes the same from the committed index (the last
-    save's "indexed" barrier is passed), not from a directory listing,
-    which a network file system may cache differently on each host.
+    Process 0 committed the index it reads (`_agree` passed its previous
+    save); another host's network file system may still show the folder
+    as it was (a cached lookup). So process 0 publishes what it read in
+    the coordination service's key-value store, and the others take it.
     """
+    _step(model, step)  # A bad `step` fails on every process alike.
+    if process == 0 or processes == 1:
+        found = _name(model, directory, step)
+        if processes > 1:
+            context.context().set_config_key_value(
+                f"keras_replicator/checkpoint/{number}/name", json.dumps(found)
+            )
+        return found
+    try:
+        text = context.context().get_config_key_value(
+            f"keras_replicator/checkpoint/{number}/name", int(timeout * 1000)
+        )
+    except (tf.errors.OpError, RuntimeError) as error:
+        raise RuntimeError(
+            "A sharded checkpoint is named by process 0, which did not "
+            f"name this one within {timeout:g} s (it may have failed). "
+            f"Received: directory={str(directory)!r}"
+        ) from error
+    name, sequence, replaces = json.loads(text)
+    return name, sequence, replaces
+
+
+def _step(model, step) -> int:
+    """The step a checkpoint is named after: `step`, else the optimizer's."""
     if step is None:
         optimizer = getattr(model, "optimizer", None)
         step = (
@@ -637,14 +665,25 @@ def _name(model, directory, step) -> tuple[str, int]:
         raise TypeError(
             f"`step` must be an integer or None. Received: step={step!r}"
         )
-    name = f"ckpt-{int(step)}"
+    return int(step)
+
+
+def _name(model, directory, step) -> tuple[str, int, bool]:
+    """The new checkpoint's name, its number, and whether one is there.
+
+    The third: whether `directory` holds a committed checkpoint (which an
+    abandoned save leaves). Read from the committed index (the last save's
+    "indexed" barrier is passed), not from a directory listing.
+    """
+    step = _step(model, step)
+    name = f"ckpt-{step}"
     index = _read_index(directory)
     sequence = 0 if index is None else index.get("sequence", 0) + 1
     if index is not None and index["checkpoint"] == name:
         # The same step saved again: a new name, so that the committed
         # files stay until the new index replaces them.
-        name = f"ckpt-{int(step)}-{sequence}"
-    return name, sequence
+        name = f"ckpt-{step}-{sequence}"
+    return name, sequence, index is not None
 
 
 def save(
@@ -702,7 +741,9 @@ def save(
     strategy = _strategy_of(variables.values())
     process, processes = _process(strategy)
     number = _agree(processes, timeout_seconds)
-    name, sequence = _name(model, directory, step)
+    name, sequence, replaces = _agreed_name(
+        model, directory, step, process, processes, number, timeout_seconds
+    )
     _begin(directory, name, process, processes, timeout_seconds, number)
     parts = {
         key: _host_blocks(key, variable, process)
@@ -715,9 +756,7 @@ def save(
     handle = CheckpointSave(directory, name)
     handle._number, handle._processes = number, processes
     handle._timeout = timeout_seconds
-    # Read after `_agree`, when every earlier save has committed: the same
-    # on every process.
-    handle._replaces = _read_index(directory) is not None
+    handle._replaces = replaces
 
     def run():
         try:

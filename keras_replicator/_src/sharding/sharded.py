@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -283,6 +284,27 @@ _DEFAULT_READ_TIMEOUT = 60.0
 FILE_WORK_SECONDS = 600.0
 
 
+# Inside a whole save (`waiting_on_files`): reads wait for the chief's
+# writes.
+_saving = 0
+
+
+@contextlib.contextmanager
+def waiting_on_files() -> Iterator[None]:
+    """Host reads in here may wait for the chief writing a file.
+
+    In a Keras save under several processes the chief writes each value
+    before it reads the next, which every process joins: the others wait
+    for its write, work on files (`FILE_WORK_SECONDS`).
+    """
+    global _saving
+    _saving += 1
+    try:
+        yield
+    finally:
+        _saving -= 1
+
+
 def _all_processes_here(strategy, path: str) -> None:
     """Waits, bounded, until every process reads the same sharded value.
 
@@ -290,7 +312,8 @@ def _all_processes_here(strategy, path: str) -> None:
     `model.get_weights()`) would wait in it forever. A barrier of the
     coordination service comes first, so that such a read fails within
     the replicator's collective timeout (else its start-up timeout, else
-    60 s) with an error that says what to do.
+    60 s) with an error that says what to do. Within a whole save
+    (`waiting_on_files`) the bound is a file's.
 
     Raises:
         RuntimeError: If the other processes did not read it in time.
@@ -298,10 +321,18 @@ def _all_processes_here(strategy, path: str) -> None:
     if not tf.executing_eagerly():
         return
     read = next(_host_reads)
-    wait_for_processes(
-        strategy,
-        f"keras_replicator/sharded_read/{read}",
-        lambda seconds: (
+    saving = _saving > 0
+
+    def message(seconds):
+        if saving:
+            return (
+                "In a Keras save under several processes every process "
+                "joins the chief's read of each sharded value, which it "
+                "makes after writing the ones before; they did not meet "
+                f"within {seconds:g} s (the chief may have failed). "
+                f"Received: variable path={path!r}"
+            )
+        return (
             "Reading a variable sharded by ModelParallel outside a training "
             "step all-gathers its blocks from every process, so every "
             "process must read it at the same point: call `get_weights()`, "
@@ -309,7 +340,13 @@ def _all_processes_here(strategy, path: str) -> None:
             "(the chief alone writes the file), not under `if chief:`. The "
             f"other processes did not join this read within {seconds:g} s. "
             f"Received: variable path={path!r}"
-        ),
+        )
+
+    wait_for_processes(
+        strategy,
+        f"keras_replicator/sharded_read/{read}",
+        message,
+        file_work=saving,
     )
 
 

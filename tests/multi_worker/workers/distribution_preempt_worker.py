@@ -10,7 +10,7 @@ then sleeps `PREEMPT_SLOW` seconds per step, so the test can send SIGTERM
 mid-epoch. With `PREEMPT_REFIT`, a second fit with the same backup folder
 follows, while the chief deletes the first one's backup slowly, for longer
 than a collective timeout made short (and each backup's writer starts 1 s
-late, so each fit ends with one in flight).
+late, so each fit usually ends with one in flight).
 Reports its final weights and the (epoch, batch) of every step it trained
 (and trained again).
 """
@@ -45,8 +45,9 @@ def _at_step(step):
 if os.environ.get("PREEMPT_REFIT"):
     from keras_replicator._src.sharding import checkpoint
 
-    # Every writer starts late: each fit ends with its last backup in
-    # flight, which every process abandons together.
+    # Every writer starts late: each fit usually ends with a backup in
+    # flight (the one before the last, which is not made), which every
+    # process then abandons together.
     checkpoint._yield_to_training = lambda: time.sleep(1)
 if os.environ.get("PREEMPT_REFIT") and harness.task_index() == 0:
     from keras.src.utils import file_utils
