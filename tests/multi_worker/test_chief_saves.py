@@ -233,28 +233,18 @@ def test_checkpoint_is_complete_when_fit_returns(workers):
 
 @pytest.mark.multi_worker
 @pytest.mark.timeout(540)
-def test_the_others_wait_for_a_chief_writing_past_the_timeout(workers):
+@pytest.mark.parametrize("save", ["slow", "slow_model_parallel"])
+def test_the_others_wait_for_a_chief_writing_past_the_timeout(workers, save):
     """A whole save that takes longer than the collective timeout is waited
-    for (a file's bound), not failed on the processes that do not write."""
+    for (a file's bound), not failed on the processes that do not write;
+    under ModelParallel also where they wait between the chief's reads of
+    sharded values, which every process joins."""
     results, out = workers
     for r in results:
-        assert r.result["slow_loaded"] is True, r.index
+        assert r.result[f"{save}_loaded"] is True, r.index
         # Each waited the chief's write out, past the 5 s collective bound.
-        assert r.result["slow_waited"] > 7, r.index
-    assert (out / "slow.weights.h5").exists()
-
-
-@pytest.mark.multi_worker
-@pytest.mark.timeout(540)
-def test_under_model_parallel_the_others_wait_for_the_chief_between_reads(
-    workers,
-):
-    """Each sharded value's read waits for the chief's writes before it."""
-    results, out = workers
-    for r in results:
-        assert r.result["slow_model_parallel_loaded"] is True, r.index
-        assert r.result["slow_model_parallel_waited"] > 7, r.index
-    assert (out / "slow_model_parallel.weights.h5").exists()
+        assert r.result[f"{save}_waited"] > 7, r.index
+    assert (out / f"{save}.weights.h5").exists()
 
 
 @pytest.mark.multi_worker
