@@ -43,6 +43,14 @@ out["gathers"] = [
         mc.all_gather(tf.constant([[1.0], [2.0]]), equal=True),
     )
 ]
+out["alltoall"] = [
+    [t.dtype.name, t.shape.as_list(), t.numpy().tolist()]
+    for t in (
+        mc.all_to_all(tf.constant([[True, False]])),
+        mc.all_to_all(tf.constant([[[1.5], [-3.0]]], tf.bfloat16)),
+        mc.all_to_all(tf.constant([[1.0, 2.0, 3.0]])),
+    )
+]
 
 @tf.function
 def step(a, b):
@@ -95,6 +103,14 @@ def test_a_gather_over_one_rank_moves_bits_unchanged(one_rank):
         ["bfloat16", [[1.5], [-3.0]]],
         ["int32", [[1, 2, 3]]],
         ["float32", [[1.0], [2.0]]],
+    ]
+
+
+def test_an_all_to_all_over_one_rank_moves_bits_unchanged(one_rank):
+    assert one_rank["alltoall"] == [
+        ["bool", [1, 2], [[True, False]]],
+        ["bfloat16", [1, 2, 1], [[[1.5], [-3.0]]]],
+        ["float32", [1, 3], [[1.0, 2.0, 3.0]]],
     ]
 
 

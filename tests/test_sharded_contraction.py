@@ -566,13 +566,13 @@ def test_the_input_datas_gradient_is_neither_computed_nor_summed(
     # device prunes that gradient, and a sum (a collective, which always
     # runs) would be a wasted exchange per step.
     sums = []
-    summed = contraction._Rows.summed
+    summed = contraction._Rows.summed_own
 
     def spy(self, part, slices):
         sums.append(part.shape)
         return summed(self, part, slices)
 
-    monkeypatch.setattr(contraction._Rows, "summed", spy)
+    monkeypatch.setattr(contraction._Rows, "summed_own", spy)
     model = _dense_model(("d0", "d1"))
     x = np.ones((32, 64), "float32")
     model.fit(x, x, batch_size=16, epochs=1, verbose=0, shuffle=False)
@@ -601,3 +601,34 @@ def test_with_no_tape_tf_gradients_gets_the_input_gradient():
     expected = np.ones([8, 64], "float32") @ (w0 @ w1).T
     for dx in strategy.experimental_local_results(step()):
         _close(expected, dx.numpy())
+
+
+def test_products_exchange_only_each_devices_rows_and_columns():
+    # A device needs only its own rows of a product's output, and only its
+    # block's columns of the output gradients: one all-to-all sends each
+    # device just that. A sum of the whole mesh's output (an all-reduce of
+    # it) would send 2N times the bytes, a gather of whole gradients N.
+    model = _dense_model(("d0", "d1"))
+    strategy = model.get_layer("d0").kernel._value.distribute_strategy
+
+    @tf.function
+    def step():
+        def replica_fn():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(tf.ones([8, 64])))
+            return tape.gradient(loss, model.trainable_variables)
+
+        return strategy.run(replica_fn)
+
+    graph = step.get_concrete_function().graph
+    ops = graph.get_operations()
+    per_replica = 4
+    exchanges = [op for op in ops if op.type == "CollectiveAllToAllV2"]
+    # Per replica: each layer's output; each layer's block of its output
+    # gradients; d1's input gradient (d0's input is data: none).
+    assert len(exchanges) == per_replica * 5, len(exchanges)
+    # No sum carries rows: what sums remain are scalars (the gradient
+    # weights' total).
+    sums = [op for op in ops if op.type == "CollectiveReduceV2"]
+    for op in sums:
+        assert op.inputs[0].shape.num_elements() in (1, 2), op.inputs[0]

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops
 from tensorflow.python.distribute import values as tf_values
+from tensorflow.python.ops import collective_ops
 
 
 def all_reduce(
@@ -157,6 +158,61 @@ def all_gather_equal(
         return ctx.all_gather(shard, axis=0)
     with tf.name_scope("allgather"):
         return launcher._all_gather(shard, None)
+
+
+def all_to_all_equal(
+    ctx: tf.distribute.ReplicaContext, pieces: tf.Tensor
+) -> tf.Tensor:
+    """Sends `pieces[j]` to replica `j`; returns what each replica sent here.
+
+    Replica `r` passes `pieces` of shape `(num_replicas_in_sync, ...)`,
+    the same on every replica when the step runs (dimensions after the
+    first may be unknown when traced), with at least one value: TensorFlow's
+    CPU all-to-all fails on none. It gets back a tensor of that shape whose
+    `[j]` is replica `j`'s `pieces[r]`. In a graph this is ONE
+    `CollectiveAllToAllV2` issued with this replica's launcher's keys and
+    ordering token (over MPI: one `Alltoall`). Each replica receives only
+    what is meant for it, where an all-gather would bring it everything.
+    Eagerly, or without launchers, it is an all-gather of every replica's
+    pieces.
+
+    Args:
+        ctx: The replica context (inside `strategy.run`).
+        pieces: A tensor whose first dimension is the number of replicas.
+
+    Returns:
+        A tensor of `pieces`' shape and dtype.
+    """
+    dtype = pieces.dtype
+    if dtype not in _GATHER_DTYPES and dtype != tf.bfloat16:
+        wide = _wider(dtype)
+        return tf.cast(all_to_all_equal(ctx, tf.cast(pieces, wide)), dtype)
+    launcher = _launcher(ctx)
+    if launcher is None:
+        replicas = ctx.num_replicas_in_sync
+        gathered = tf.reshape(
+            all_gather_equal(ctx, tf.reshape(pieces, [-1])),
+            tf.concat([[replicas * replicas], tf.shape(pieces)[1:]], 0),
+        )
+        here = ctx.replica_id_in_sync_group
+        return tf.gather(gathered, tf.range(replicas) * replicas + here)
+    with tf.name_scope("alltoall"):
+        if hasattr(launcher, "all_to_all"):  # Over MPI.
+            return launcher.all_to_all(pieces)
+        options = launcher._options  # noqa: SLF001
+        instance_key = launcher._next_instance_key()  # noqa: SLF001
+        with tf.device(launcher._device):  # noqa: SLF001
+            out = collective_ops.all_to_all_v2(
+                pieces,
+                launcher._group_size,  # noqa: SLF001
+                launcher._group_key,  # noqa: SLF001
+                instance_key,
+                communication_hint=options.implementation.value,
+                timeout=options.timeout_seconds,
+                ordering_token=launcher._get_ordering_token(),  # noqa: SLF001
+            )
+        out.set_shape(pieces.shape)
+        return out
 
 
 def all_reduce_sum(ctx: tf.distribute.ReplicaContext, value: tf.Tensor):

@@ -142,6 +142,11 @@ class MpiLauncher:
             moved = tf.transpose(input_tensor, perm)
             return tf.transpose(all_gather(moved, self._timeout), back)
 
+    def all_to_all(self, pieces):
+        """Sends `pieces[j]` to rank `j` (`collectives.all_to_all_equal`)."""
+        with tf.device(self._device):
+            return all_to_all(pieces, self._timeout)
+
     def all_reduce_indexed_slices(self, input_slices, options=None):
         """Sums `IndexedSlices`: their rows and indices, gathered."""
         del options
@@ -200,13 +205,7 @@ def all_gather(
         The concatenation, of this tensor's dtype.
     """
     tensor = tf.convert_to_tensor(tensor)
-    dtype = tensor.dtype
-    if dtype == tf.bool:
-        moved = tf.cast(tensor, tf.int8)
-    elif dtype in _MOVE_AS:
-        moved = tf.bitcast(tensor, _MOVE_AS[dtype])
-    else:
-        moved = tensor
+    moved = _moved(tensor)
 
     equal = equal and tensor.shape.is_fully_defined()
 
@@ -219,9 +218,58 @@ def all_gather(
         out.set_shape([size * tensor.shape[0], *tensor.shape[1:]])
     elif tensor.shape.rank is not None:
         out.set_shape([None, *tensor.shape[1:]])
+    return _restored(out, tensor.dtype)
+
+
+def all_to_all(
+    pieces: tf.Tensor, timeout_seconds: float | None = None
+) -> tf.Tensor:
+    """Sends `pieces[j]` to rank `j`; returns what each rank sent here.
+
+    Args:
+        pieces: A tensor whose first dimension is the number of ranks, of
+            the same shape on every rank.
+        timeout_seconds: Bound on the exchange (None: none).
+
+    Returns:
+        A tensor of `pieces`' shape and dtype, `[j]` from rank `j`.
+    """
+    pieces = tf.convert_to_tensor(pieces)
+    moved = _moved(pieces)
+
+    def run(array):
+        comm = _comm()
+        send = np.ascontiguousarray(array)
+        out = _aligned(send.size, send.dtype).reshape(send.shape)
+        _exchange(
+            comm,
+            out.nbytes,
+            lambda: comm.Ialltoall(send, out),
+            lambda: comm.Alltoall(send, out),
+            timeout_seconds,
+            "an all-to-all",
+        )
+        return (out,)
+
+    (out,) = _ordered(run, [moved], [moved.dtype])
+    out.set_shape(pieces.shape)
+    return _restored(out, pieces.dtype)
+
+
+def _moved(tensor: tf.Tensor) -> tf.Tensor:
+    """`tensor` as MPI moves it: bools as bytes, 16-bit floats as bits."""
+    if tensor.dtype == tf.bool:
+        return tf.cast(tensor, tf.int8)
+    if tensor.dtype in _MOVE_AS:
+        return tf.bitcast(tensor, _MOVE_AS[tensor.dtype])
+    return tensor
+
+
+def _restored(moved: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """A `_moved` tensor of `dtype` as it was."""
     if dtype == tf.bool:
-        return tf.cast(out, tf.bool)
-    return tf.bitcast(out, dtype) if dtype in _MOVE_AS else out
+        return tf.cast(moved, tf.bool)
+    return tf.bitcast(moved, dtype) if dtype in _MOVE_AS else moved
 
 
 def _ordered(fn, inputs, dtypes):

@@ -32,10 +32,9 @@ which one device would simply have taken. The hang watchdog's clock
 stops meanwhile, as for a `ModelCheckpoint` (so with the watchdog on, the
 wait is at most 5 times its timeout). A chief whose write fails says so
 in the coordination service's key-value store before the last barrier,
-and the others raise its error at once. A
-sharded `BackupAndRestore` backup (`sharding/checkpoint.py`) does not come
-here: it writes in the background, and its save "returns" once this
-process's blocks are copied.
+and the others raise its error at once. A sharded `BackupAndRestore`
+backup (`sharding/checkpoint.py`) does not come here: it writes in the
+background, and its save "returns" once this process's blocks are copied.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ import itertools
 
 from keras.src import backend
 from keras.src.saving import saving_lib
-from tensorflow.python.eager import context
 
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
@@ -162,7 +160,7 @@ def _save(original, model, filepath, *args, **kwargs):
                 failure = error
             # What became of the file, for the others: they raise the
             # chief's error at once rather than at the end of their wait.
-            context.context().set_config_key_value(
+            sharded.publish(
                 _outcome_key(number), "" if failure is None else repr(failure)
             )
         else:
@@ -185,9 +183,15 @@ def _outcome_key(number: int) -> str:
 
 
 def _raise_if_the_chief_failed(number: int, filepath) -> None:
-    # Set by the chief before it reached the barrier just passed.
-    outcome = context.context().get_config_key_value(
-        _outcome_key(number), 60_000
+    # Published by the chief before it reached the barrier just passed.
+    outcome = sharded.published(
+        _outcome_key(number),
+        60,
+        lambda seconds: (
+            "A Keras save under a multi-process distribution is written by "
+            f"the chief, whose outcome did not arrive within {seconds:g} s. "
+            f"Received: filepath={str(filepath)!r}"
+        ),
     )
     if outcome:
         raise RuntimeError(

@@ -66,7 +66,6 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
@@ -630,24 +629,22 @@ def _agreed_name(
     as it was (a cached lookup). So process 0 publishes what it read in
     the coordination service's key-value store, and the others take it.
     """
-    _step(model, step)  # A bad `step` fails on every process alike.
+    step = _step(model, step)  # A bad `step` fails on every process alike.
+    key = f"keras_replicator/checkpoint/{number}/name"
     if process == 0 or processes == 1:
-        found = _name(model, directory, step)
+        found = _name(directory, step)
         if processes > 1:
-            context.context().set_config_key_value(
-                f"keras_replicator/checkpoint/{number}/name", json.dumps(found)
-            )
+            sharded.publish(key, json.dumps(found))
         return found
-    try:
-        text = context.context().get_config_key_value(
-            f"keras_replicator/checkpoint/{number}/name", int(timeout * 1000)
-        )
-    except (tf.errors.OpError, RuntimeError) as error:
-        raise RuntimeError(
+    text = sharded.published(
+        key,
+        timeout,
+        lambda seconds: (
             "A sharded checkpoint is named by process 0, which did not "
-            f"name this one within {timeout:g} s (it may have failed). "
+            f"name this one within {seconds:g} s (it may have failed). "
             f"Received: directory={str(directory)!r}"
-        ) from error
+        ),
+    )
     name, sequence, replaces = json.loads(text)
     return name, sequence, replaces
 
@@ -668,14 +665,13 @@ def _step(model, step) -> int:
     return int(step)
 
 
-def _name(model, directory, step) -> tuple[str, int, bool]:
+def _name(directory, step: int) -> tuple[str, int, bool]:
     """The new checkpoint's name, its number, and whether one is there.
 
     The third: whether `directory` holds a committed checkpoint (which an
     abandoned save leaves). Read from the committed index (the last save's
     "indexed" barrier is passed), not from a directory listing.
     """
-    step = _step(model, step)
     name = f"ckpt-{step}"
     index = _read_index(directory)
     sequence = 0 if index is None else index.get("sequence", 0) + 1

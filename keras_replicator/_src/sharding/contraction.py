@@ -22,15 +22,21 @@ replica, at the cost of tracing both paths):
   kernel (`N x rows x (row of x + row of y)` in the compute dtype `<=` the
   kernel in its stored dtype: a language model's or an MLP's small batches;
   under mixed precision rows are 16-bit, the kernel float32). Every replica
-  gathers every replica's rows of `x` (`X`), contracts them with its own
-  block, and the replicas sum their products into the full output, of which
-  each keeps its rows. In the backward pass the output gradients are
-  gathered (`dY`): each replica computes its block's gradient from `X` and
-  `dY` directly, each replica's rows weighted as the step's gradient rule
-  weighs its examples (`gradients.replica_weights`, so the block equals what
+  gathers every replica's rows of `x` (`X`; only the columns its block
+  contracts, where the kernel splits them), contracts them with its own
+  block, and the replicas exchange their products in one all-to-all: each
+  sends every other that replica's rows, and puts the blocks it gets side
+  by side (summing them where the kernel splits the contraction). A ring
+  all-reduce of the whole mesh's output would send 2N times the bytes at
+  N replicas. In the backward pass the output gradients are gathered the
+  same way (`dY`, each replica's block of columns): each replica computes
+  its block's gradient from `X` and `dY` directly, each replica's rows
+  weighted as the step's gradient rule weighs its examples
+  (`gradients.replica_weights`, so the block equals what
   `gradients.mean_gradients` makes of the full gradients), and the input
-  gradient is the sum of the blocks' products. No full kernel and no full
-  kernel gradient exists anywhere; the transients are the mesh's rows.
+  gradient is the sum of the blocks' products, exchanged as the output
+  is. No full kernel and no full kernel gradient exists anywhere; the
+  transients are the mesh's rows.
 - **The kernel moves** otherwise (many rows): the full kernel is gathered
   for the product and gathered again in the backward pass (so the layer
   needs no rematerialisation), and its full gradient is averaged and cut
@@ -199,12 +205,15 @@ def read_dtype(variable) -> tf.DType:
 
 
 class _Rows:
-    """The mesh's rows in a replica step: gathered, placed and summed.
+    """The mesh's rows in a replica step: gathered, exchanged and summed.
 
     Every replica's rows of a tensor are gathered padded with zeros to the
-    most any replica has (`most`), in replica order; a replica's own rows
-    of a gathered result are `own`. Made once per op, in its forward pass:
-    one gather carries every replica's row count and gradient weight
+    most any replica has (`most`), in replica order. Where each replica
+    needs only its own block of them (the kernel splits their columns), or
+    only its own rows of a result, the replicas exchange exactly that, in
+    one all-to-all (`collectives.all_to_all_equal`), instead of gathering
+    or summing the whole mesh's rows. Made once per op, in its forward
+    pass: one gather carries every replica's row count and gradient weight
     (`gradients.replica_weights`).
     """
 
@@ -212,7 +221,10 @@ class _Rows:
         self.ctx = ctx
         self.replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
         self.replicas = ctx.num_replicas_in_sync
-        self.primary = _primary(placement, self.replica)
+        # The first replica holding each distinct block, in replica order.
+        self.primaries = [
+            r for r in range(self.replicas) if _primary(placement, r)
+        ]
         self.rows = rows
         self.weight = gradients.replica_weights(ctx, tf.float32)
         meta = collectives.all_gather_equal(
@@ -220,7 +232,8 @@ class _Rows:
         )
         meta = tf.reshape(meta, [self.replicas, 2])
         self.counts = tf.cast(meta[:, 0], tf.int32)
-        self.most = tf.reduce_max(self.counts)
+        # At least one row: TensorFlow's CPU all-to-all fails on no values.
+        self.most = tf.maximum(tf.reduce_max(self.counts), 1)
         # Per gathered row: its replica's gradient weight, and whether it
         # is a row (not padding).
         self.row_weights = tf.repeat(meta[:, 1], self.most)
@@ -228,45 +241,76 @@ class _Rows:
             tf.range(self.most)[None, :] < self.counts[:, None], [-1]
         )
 
-    def gather(self, t):
-        """Every replica's rows of `t`, each padded with zeros to `most`."""
+    def _padded(self, t):
         padding = [[0, self.most - tf.shape(t)[0]]] + [[0, 0]] * (
             t.shape.rank - 1
         )
+        return tf.pad(t, padding)
+
+    def gather(self, t):
+        """Every replica's rows of `t`, each padded with zeros to `most`."""
         flat = collectives.all_gather_equal(
-            self.ctx, tf.reshape(tf.pad(t, padding), [-1])
+            self.ctx, tf.reshape(self._padded(t), [-1])
         )
         return tf.reshape(
             flat, tf.concat([[self.replicas * self.most], tf.shape(t)[1:]], 0)
         )
 
-    def own(self, t):
-        start = self.replica * self.most
-        return t[start : start + self.rows]
+    def gather_cut(self, t, cut):
+        """`cut(self.gather(t), self.replica)`, each replica sent its cut.
+
+        `cut(t, replica)`: replica `replica`'s block of `t`'s columns.
+        Each replica sends every other its cut of this replica's rows, in
+        one all-to-all: 1/N of what a gather moves.
+        """
+        padded = self._padded(t)
+        pieces = tf.stack([cut(padded, r) for r in range(self.replicas)])
+        got = collectives.all_to_all_equal(self.ctx, pieces)
+        merged = tf.reshape(got, tf.concat([[-1], tf.shape(got)[2:]], 0))
+        merged.set_shape([None, *got.shape[2:]])
+        return merged
 
     def per_row(self, values, t):
         """`values` (one per gathered row) shaped to broadcast over `t`."""
         return tf.reshape(values, [-1] + [1] * (t.shape.rank - 1))
 
-    def summed(self, part, slices):
-        """The replicas' parts, each placed in its slices, summed.
+    def summed_own(self, part, slices):
+        """This replica's rows of the replicas' parts, placed and summed.
 
-        `slices`: `(axis, begin, size, full)` of the part in the whole.
-        Summed in `part`'s dtype: where parts overlap (a split contraction)
-        a 16-bit product comes here in float32 (`widened`); disjoint
-        blocks (and the zeros of copies) add exactly in any dtype.
+        `part`: this replica's product over the gathered rows (`N x most`
+        of them, in replica order). `slices(replica)`: `(axis, begin, size,
+        full)` of replica `replica`'s part in the whole. Each replica sends
+        every other that replica's rows of its part (one all-to-all), and
+        places and sums what it gets, one distinct block once each (not
+        its copies). Blocks that tile the output are put side by side;
+        overlapping ones (a split contraction) are summed in `part`'s
+        dtype, where a 16-bit product comes in float32 (`widened`), in
+        replica order.
         """
-        shape = tf.unstack(tf.shape(part))
-        padding = [[0, 0]] * part.shape.rank
-        for axis, start, size, whole in slices:
-            shape[axis] = whole
-            padding[axis] = [start, whole - start - size]
-        if self.primary:
-            canvas = tf.pad(part, padding)
+        pieces = tf.reshape(
+            part, tf.concat([[self.replicas, self.most], tf.shape(part)[1:]], 0)
+        )
+        pieces.set_shape([self.replicas, None, *part.shape[1:]])
+        got = collectives.all_to_all_equal(self.ctx, pieces)
+        split = {
+            r: [s for s in slices(r) if s[2] != s[3]] for r in self.primaries
+        }
+        axes = {axis for found in split.values() for axis, *_ in found}
+        begins = [found[0][1] for found in split.values() if found]
+        if len(axes) == 1 and len(set(begins)) == len(self.primaries):
+            # Disjoint blocks along one axis: side by side, no sum.
+            (axis,) = axes
+            order = sorted(self.primaries, key=lambda r: split[r][0][1])
+            whole = tf.concat([got[r] for r in order], axis)
         else:
-            # Every distinct block is added once: zeros from its copies.
-            canvas = tf.zeros(tf.stack(shape), part.dtype)
-        return collectives.all_reduce_sum(self.ctx, canvas)
+            placed = []
+            for r in self.primaries:
+                padding = [[0, 0]] * part.shape.rank
+                for axis, start, size, full in split[r]:
+                    padding[axis] = [start, full - start - size]
+                placed.append(tf.pad(got[r], padding) if split[r] else got[r])
+            whole = tf.add_n(placed)
+        return whole[: self.rows]
 
     def weighted(self, t):
         """`t`'s gathered rows, each times its replica's gradient weight.
@@ -351,20 +395,34 @@ def contract(
     else:
         moving = False
 
-    def slices(axis_labels):
-        """Per axis split by the kernel: (axis, begin, size, full)."""
+    def slices(axis_labels, replica=None):
+        """Per axis split by the kernel: (axis, begin, size, full).
+
+        Of `replica`'s block (default: this replica's).
+        """
+        start = begin if replica is None else placement.begin(replica)
         out = []
         for axis, label in enumerate(axis_labels):
             if label in k_labels:
                 d = k_labels.index(label)
-                out.append((axis, begin[d], local[d], full[d]))
+                out.append((axis, start[d], local[d], full[d]))
         return out
 
-    def cut(t, axis_labels):
-        for axis, start, size, whole in slices(axis_labels):
+    def cut(t, axis_labels, replica=None):
+        for axis, start, size, whole in slices(axis_labels, replica):
             if size != whole:
                 t = _slice(t, axis, start, size)
         return t
+
+    def rows_of_all(t, axis_labels):
+        """Every replica's rows of `t`, cut to this replica's block."""
+        if not split(axis_labels):
+            return mesh.gather(t)
+        return mesh.gather_cut(t, lambda t, r: cut(t, axis_labels, r))
+
+    def summed(part, axis_labels):
+        """This replica's rows of the replicas' parts, summed."""
+        return mesh.summed_own(part, lambda r: slices(axis_labels, r))
 
     def gathered_kernel(raw):
         return tf.cast(sharded.all_blocks(ctx, raw, placement), dtype)
@@ -391,9 +449,9 @@ def contract(
         block = tf.cast(raw, dtype)
 
         def moving_forward():
-            x_in = cut(mesh.gather(x), x_labels)
+            x_in = rows_of_all(x, x_labels)
             part = product(*widened(x_labels, x_in, block))
-            y = mesh.own(mesh.summed(part, slices(out_labels)))
+            y = summed(part, out_labels)
             return tf.cast(y, dtype)
 
         def kernel_forward():
@@ -404,8 +462,8 @@ def contract(
 
         def grad(dy):
             def moving_backward():
-                x_in = cut(mesh.gather(x), x_labels)
-                dy_all = cut(mesh.gather(dy), out_labels)
+                x_in = rows_of_all(x, x_labels)
+                dy_all = rows_of_all(dy, out_labels)
                 # dx contracts the output's labels, d_block the rows (all
                 # of them here, as on one device).
                 _, d_block = _gradients(
@@ -420,7 +478,7 @@ def contract(
                 dx_part, _ = _gradients(
                     product, *widened(out_labels, x_in, block, dy_all)
                 )
-                dx = mesh.own(mesh.summed(dx_part, slices(x_labels)))
+                dx = summed(dx_part, x_labels)
                 return tf.cast(dx, dtype), tf.cast(d_block, raw.dtype)
 
             def kernel_backward():
@@ -481,7 +539,7 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
         return None
     vocabulary, _ = placement.full_shape
     mesh = _Rows(ctx, placement, tf.shape(ids)[0])
-    v_begin, h_begin = placement.begin(mesh.replica)
+    v_begin, _ = placement.begin(mesh.replica)
     v_local, h_local = placement.local_shape
     hidden = placement.full_shape[1]
     # Keras' `take`: a negative id counts from the end.
@@ -495,13 +553,23 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
     def op(raw):
         found = tf.gather(tf.cast(raw, dtype), local_ids)
         part = tf.where(inside[..., None], found, tf.zeros_like(found))
-        y = mesh.own(
-            mesh.summed(part, [(part.shape.rank - 1, h_begin, h_local, hidden)])
+        last = part.shape.rank - 1
+        y = mesh.summed_own(
+            part,
+            lambda r: [(last, placement.begin(r)[1], h_local, hidden)],
         )
         y.set_shape(ids.shape.concatenate([hidden]))
 
         def grad(dy):
-            dy_all = mesh.gather(dy)[..., h_begin : h_begin + h_local]
+            if h_local == hidden:
+                dy_all = mesh.gather(dy)
+            else:
+                dy_all = mesh.gather_cut(
+                    dy,
+                    lambda t, r: _slice(
+                        t, t.shape.rank - 1, placement.begin(r)[1], h_local
+                    ),
+                )
             keep = tf.logical_and(inside, mesh.per_row(mesh.valid, inside))
             keep = tf.reshape(keep, [-1])
             values = tf.boolean_mask(

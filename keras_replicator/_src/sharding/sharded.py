@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -284,9 +285,9 @@ _DEFAULT_READ_TIMEOUT = 60.0
 FILE_WORK_SECONDS = 600.0
 
 
-# Inside a whole save (`waiting_on_files`): reads wait for the chief's
-# writes.
-_saving = 0
+# Per thread, inside a whole save (`waiting_on_files`): reads wait for
+# the chief's writes.
+_saving = threading.local()
 
 
 @contextlib.contextmanager
@@ -297,12 +298,11 @@ def waiting_on_files() -> Iterator[None]:
     before it reads the next, which every process joins: the others wait
     for its write, work on files (`FILE_WORK_SECONDS`).
     """
-    global _saving
-    _saving += 1
+    _saving.depth = getattr(_saving, "depth", 0) + 1
     try:
         yield
     finally:
-        _saving -= 1
+        _saving.depth -= 1
 
 
 def _all_processes_here(strategy, path: str) -> None:
@@ -321,7 +321,7 @@ def _all_processes_here(strategy, path: str) -> None:
     if not tf.executing_eagerly():
         return
     read = next(_host_reads)
-    saving = _saving > 0
+    saving = getattr(_saving, "depth", 0) > 0
 
     def message(seconds):
         if saving:
@@ -396,6 +396,28 @@ def barrier_of_processes(
     """
     try:
         context.context().wait_at_barrier(barrier, int(seconds * 1000))
+    except (tf.errors.OpError, RuntimeError) as error:
+        raise RuntimeError(message(seconds)) from error
+
+
+def publish(key: str, value: str) -> None:
+    """Puts `value` in the coordination service's key-value store.
+
+    What one process decided, for the others to read (`published`). Each
+    key is set once per cluster.
+    """
+    context.context().set_config_key_value(key, value)
+
+
+def published(key: str, seconds: float, message: Callable[[float], str]):
+    """The value another process `publish`ed under `key`, once it is there.
+
+    Raises:
+        RuntimeError: `message(seconds)`, if it was not published within
+            `seconds`.
+    """
+    try:
+        return context.context().get_config_key_value(key, int(seconds * 1000))
     except (tf.errors.OpError, RuntimeError) as error:
         raise RuntimeError(message(seconds)) from error
 
