@@ -3,9 +3,10 @@
 `MultiWorkerReplicator` (and `keras.distribution` over processes, which
 runs on it) issues every collective of a step through its cross-device
 ops' per-replica launchers: gradient all-reduces, Keras' logs, `strategy
-.reduce`, all-gathers, ModelParallel's gathers and sums (`collectives.py`
-calls the launcher itself). Under the MPI transport (cluster/transport.py)
-`install` swaps those launchers for `MpiLauncher`s, so the same graph
+.reduce`, all-gathers, ModelParallel's gathers, sums and all-to-alls
+(`collectives.py` calls the launcher itself). Under the MPI transport
+(cluster/transport.py) `install` swaps those launchers for
+`MpiLauncher`s, so the same graph
 exchanges its bytes with mpi4py over the user's MPI instead of
 TensorFlow's gRPC ring. The cluster still forms over TensorFlow's
 coordination service: start-up, the chief's broadcast of initial values
@@ -95,8 +96,9 @@ class MpiLauncher:
     """One replica's collectives, over MPI.
 
     Has the methods of TensorFlow's `CollectiveReplicaLauncher` that
-    `CollectiveAllReduce` and `collectives.py` call; each is one MPI call
-    (sums: one Allreduce per dtype).
+    `CollectiveAllReduce` and `collectives.py` call, and `all_to_all`
+    (which TensorFlow's launcher lacks: `collectives.py` issues its op
+    itself); each is one MPI call (sums: one Allreduce per dtype).
     """
 
     def __init__(self, device: str, timeout_seconds: float | None = None):

@@ -189,7 +189,8 @@ def _raise_if_the_chief_failed(number: int, filepath) -> None:
         60,
         lambda seconds: (
             "A Keras save under a multi-process distribution is written by "
-            f"the chief, whose outcome did not arrive within {seconds:g} s. "
+            "the chief, whose outcome could not be read within "
+            f"{seconds:g} s (it may have failed). "
             f"Received: filepath={str(filepath)!r}"
         ),
     )

@@ -26,14 +26,16 @@ replica, at the cost of tracing both paths):
   contracts, where the kernel splits them), contracts them with its own
   block, and the replicas exchange their products in one all-to-all: each
   sends every other that replica's rows, and puts the blocks it gets side
-  by side (summing them where the kernel splits the contraction). A ring
-  all-reduce of the whole mesh's output would send 2N times the bytes at
-  N replicas. In the backward pass the output gradients are gathered the
-  same way (`dY`, each replica's block of columns): each replica computes
-  its block's gradient from `X` and `dY` directly, each replica's rows
-  weighted as the step's gradient rule weighs its examples
-  (`gradients.replica_weights`, so the block equals what
-  `gradients.mean_gradients` makes of the full gradients), and the input
+  by side (summing them where the kernel splits the contraction). Where
+  the kernel splits the output over all N replicas, a ring all-reduce of
+  the whole mesh's output would send 2N times the bytes (less where
+  blocks have copies, or the contraction is split). In the backward pass
+  the output gradients are gathered the same way (`dY`, each replica's
+  block of columns): each replica computes its block's gradient from `X`
+  and `dY` directly, each replica's rows weighted as the step's gradient
+  rule weighs its examples (`gradients.replica_weights`, so the block
+  equals what `gradients.mean_gradients` makes of the full gradients),
+  and the input
   gradient is the sum of the blocks' products, exchanged as the output
   is. No full kernel and no full kernel gradient exists anywhere; the
   transients are the mesh's rows.
@@ -55,8 +57,8 @@ compute dtype of float32, float64, bfloat16 or float16 (other dtypes take
 the kernel-moving path). A 16-bit product whose contraction the kernel
 splits is computed and summed over the replicas in float32 and rounded
 once, as one device's single product is (mixed precision: float32
-weights, 16-bit products); disjoint blocks are summed in 16 bits,
-exactly. Anything else is left to the stock op and `sharded.gathered`.
+weights, 16-bit products); disjoint blocks are put side by side in 16
+bits, exactly. Anything else is left to the stock op and `sharded.gathered`.
 """
 
 from __future__ import annotations
@@ -515,8 +517,9 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
 
     Rows move, never the table: every replica's ids are gathered, each
     replica looks up the ids its block of rows holds (its columns of
-    them), and the replicas sum their lookups (one nonzero per element:
-    exact) into the full rows, of which each keeps its own. The gradient
+    them), and each replica gets every replica's lookups of its own rows
+    (one all-to-all) and sums them (one nonzero per element: exact). The
+    gradient
     is sparse, as one device's: this block's rows of every replica's
     output gradients, in replica order, each weighted as `mean_gradients`
     weighs its replica, with their ids (an id's repeats kept). An id
