@@ -70,6 +70,19 @@ out["chain"] = [[c.name for c in op.control_inputs] for op in calls]
 out["names"] = [op.name for op in calls]
 x, y, z = step(tf.ones([3]), tf.ones([2, 2]))
 out["step"] = [x.numpy().tolist(), y.numpy().tolist(), z.shape.as_list()]
+
+# A gather of equal lengths that are not static (ModelParallel's padded
+# rows): one Allgather, no barrier and no exchange of the lengths first.
+arrivals = []
+arrived = mc._when_all_arrived
+mc._when_all_arrived = lambda *a: (arrivals.append(a[2]), arrived(*a))[1]
+
+@tf.function(input_signature=[tf.TensorSpec([None])])
+def dynamic(a):
+    return mc.all_gather(a, equal=True), mc.all_gather(a)
+
+equal, unequal = dynamic(tf.constant([1.0, 2.0, 3.0]))
+out["dynamic"] = [equal.numpy().tolist(), unequal.numpy().tolist(), arrivals]
 print(json.dumps(out))
 """
 
@@ -129,3 +142,11 @@ def test_mpi_carries_one_replica_per_process():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with pytest.raises(ValueError, match="Received: 2 replicas"):
         mpi_collectives.install(strategy.extended)
+
+
+def test_a_gather_of_equal_unknown_lengths_is_one_allgather(one_rank):
+    # Only the gather of unequal lengths waits at a barrier and exchanges
+    # the lengths first.
+    equal, unequal, arrivals = one_rank["dynamic"]
+    assert equal == unequal == [1.0, 2.0, 3.0]
+    assert arrivals == ["an all-gather"]

@@ -122,18 +122,18 @@ def all_gather_equal(
     """All-gathers a rank-1 shard of the same length on every replica.
 
     Replica `r` passes its shard; every replica gets the shards
-    concatenated in replica order. The shard lengths are equal and static,
-    so in a graph this is ONE `CollectiveGatherV2` issued by the strategy's
-    own launcher for this replica (its group, instance keys and ordering
-    token). `ReplicaContext.all_gather` would allow unequal lengths: it
+    concatenated in replica order. The shard lengths are equal (static, or
+    made equal in the graph, as ModelParallel pads its rows to the most any
+    replica has), so in a graph this is ONE `CollectiveGatherV2` issued by
+    the strategy's own launcher for this replica (its group, instance keys
+    and ordering token). `ReplicaContext.all_gather` would allow unequal lengths: it
     first gathers the shapes, pads, and concatenates the unpadded pieces
     into a second full-size buffer. Eagerly, or under a strategy without
     collective launchers, it falls back to `ReplicaContext.all_gather`.
 
     Args:
         ctx: The replica context (inside `strategy.run`).
-        shard: A rank-1 tensor with a static length, the same on every
-            replica.
+        shard: A rank-1 tensor of the same length on every replica.
 
     Returns:
         A rank-1 tensor of `num_replicas_in_sync` times the shard's length.

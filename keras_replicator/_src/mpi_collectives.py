@@ -125,8 +125,8 @@ class MpiLauncher:
     def _all_gather(self, input_tensor, options=None):
         """Concatenates every process's tensor along axis 0.
 
-        What `collectives.all_gather_equal` calls: the shapes are equal and
-        static on every process, so no sizes are exchanged.
+        What `collectives.all_gather_equal` calls: the shapes are equal on
+        every process (if not always static), so no sizes are exchanged.
         """
         del options
         with tf.device(self._device):
@@ -200,8 +200,10 @@ def all_gather(
         tensor: This process's tensor. The processes' tensors may differ
             along axis 0 only.
         timeout_seconds: Bound on the exchange (None: none).
-        equal: Whether every process's tensor has this one's static shape:
-            then no sizes are exchanged, and the result's shape is static.
+        equal: Whether every process's tensor has this one's shape when
+            the collective runs (static or not: ModelParallel's rows are
+            padded to the most any replica has): then no sizes are
+            exchanged, and one `Allgather` moves the bytes.
 
     Returns:
         The concatenation, of this tensor's dtype.
@@ -209,13 +211,11 @@ def all_gather(
     tensor = tf.convert_to_tensor(tensor)
     moved = _moved(tensor)
 
-    equal = equal and tensor.shape.is_fully_defined()
-
     def run(array):
         return (_gather_array(array, timeout_seconds, equal),)
 
     (out,) = _ordered(run, [moved], [moved.dtype])
-    if equal and tensor.shape.rank:
+    if equal and tensor.shape.rank and tensor.shape[0] is not None:
         size = _comm().Get_size()
         out.set_shape([size * tensor.shape[0], *tensor.shape[1:]])
     elif tensor.shape.rank is not None:
