@@ -1,5 +1,7 @@
 """Helpers shared by tests: models, data, references and assertions."""
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -143,3 +145,19 @@ def tf_functions_started():
 
     counter = polymorphic_function._tf_function_counter
     return sum(counter.get_cell(jit).value() for jit in ("0", "1"))
+
+
+@contextlib.contextmanager
+def floatx(name):
+    """Keras' floatx and dtype policy both `name` meanwhile.
+
+    Keras keeps the dtype policy it first made from floatx: set both.
+    """
+    saved = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx(name)
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(saved[0])
+        keras.config.set_dtype_policy(saved[1])

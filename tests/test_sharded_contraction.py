@@ -13,7 +13,6 @@ one device computes, only summed in another order), in float32 to float
 tolerance.
 """
 
-import contextlib
 import functools
 
 import keras
@@ -112,21 +111,8 @@ def _fit(static=False):
 @functools.cache
 def _reference(floatx, static=False):
     keras.distribution.set_distribution(None)
-    with _floatx(floatx):
+    with helpers.floatx(floatx):
         return _fit(static)
-
-
-@contextlib.contextmanager
-def _floatx(floatx):
-    # Keras keeps the dtype policy it first made from floatx: set both.
-    saved = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx(floatx)
-    keras.config.set_dtype_policy(floatx)
-    try:
-        yield
-    finally:
-        keras.config.set_floatx(saved[0])
-        keras.config.set_dtype_policy(saved[1])
 
 
 def _close(a, b, tol=TOL["float32"]):
@@ -179,7 +165,7 @@ def test_both_paths_give_one_devices_numbers(name, floatx, static):
     reference, h0, e0, p0 = _reference(floatx, static)
     shape, layouts = _LAYOUTS[name]
     keras.distribution.set_distribution(_model_parallel(shape, layouts))
-    with _floatx(floatx):
+    with helpers.floatx(floatx):
         model, h1, e1, p1 = _fit(static)
     assert model.compute_dtype == reference.compute_dtype == floatx
     close = functools.partial(_close, tol=TOL[floatx])

@@ -9,6 +9,7 @@ from keras_replicator._src.patches import atomic_assign
 from keras_replicator._src.patches import backup_guard
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import chief_saves
+from keras_replicator._src.patches import compiled_updates
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import hang_watchdog
 from keras_replicator._src.patches import iterator_teardown
@@ -28,6 +29,7 @@ __all__ = (
     "backup_guard",
     "chief_only",
     "chief_saves",
+    "compiled_updates",
     "exact_eval",
     "hang_watchdog",
     "install_for",
