@@ -126,10 +126,11 @@ def all_gather_equal(
     made equal in the graph, as ModelParallel pads its rows to the most any
     replica has), so in a graph this is ONE `CollectiveGatherV2` issued by
     the strategy's own launcher for this replica (its group, instance keys
-    and ordering token). `ReplicaContext.all_gather` would allow unequal lengths: it
-    first gathers the shapes, pads, and concatenates the unpadded pieces
-    into a second full-size buffer. Eagerly, or under a strategy without
-    collective launchers, it falls back to `ReplicaContext.all_gather`.
+    and ordering token). `ReplicaContext.all_gather` would allow unequal
+    lengths: it first gathers the shapes, pads, and concatenates the
+    unpadded pieces into a second full-size buffer. Eagerly, or under a
+    strategy without collective launchers, it falls back to
+    `ReplicaContext.all_gather`.
 
     Args:
         ctx: The replica context (inside `strategy.run`).

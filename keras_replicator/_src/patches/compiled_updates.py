@@ -24,7 +24,9 @@ Keras' constant for `beta_2=0.999`, so `v` drifts from one device's.)
 
 Smaller blocks, replicated variables, sparse gradients and updates outside
 ModelParallel's replica step keep Keras' ops: there a compiled launch costs
-about what it saves.
+about what it saves. So does an optimizer whose `update_step` is not one of
+Keras' own (a subclass's may hold ops XLA cannot compile). TensorFlow logs
+"Compiled cluster using XLA" once per process, at the first step.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def compiles(optimizer, gradient, variable) -> bool:
     Keras variable reads, here (`placements.local_reads`) this replica's
     block of a sharded one.
     """
-    if not placements.reading_locally():
+    if not placements.reading_locally() or not _keras_own(optimizer):
         return False
     if not tf.is_tensor(gradient) or isinstance(gradient, tf.IndexedSlices):
         return False
@@ -63,6 +65,17 @@ def compiles(optimizer, gradient, variable) -> bool:
     if index is None:
         return False
     return placements.of(optimizer._trainable_variables[index]) is not None
+
+
+def _keras_own(optimizer) -> bool:
+    """Whether `optimizer`'s `update_step` is one of Keras' own.
+
+    Keras' optimizers update with ops XLA compiles; a subclass's own
+    `update_step` may use any op (a `py_function`), so it keeps running
+    as written.
+    """
+    module = getattr(type(optimizer).update_step, "__module__", "") or ""
+    return module.startswith("keras.src.optimizers.")
 
 
 def _distributed_tf_update_step(
