@@ -186,3 +186,15 @@ def test_data_parallel_and_one_device_updates_are_keras_own():
         model = _model("adam")
         model.fit(x[:16], y[:16], batch_size=16, verbose=0)
         assert _compiled_calls(model) == []
+
+
+def test_16_bit_blocks_keep_keras_ops():
+    # XLA may keep a 16-bit update's intermediates in float32, where Keras'
+    # ops round after each op.
+    keras.distribution.set_distribution(
+        helpers.model_parallel((1, 4), _LAYOUTS)
+    )
+    model, _ = _fit("adam", "bfloat16")
+    assert placements.of(model.get_layer("a").kernel) is not None
+    with helpers.floatx("bfloat16"):
+        assert _compiled_calls(model) == []

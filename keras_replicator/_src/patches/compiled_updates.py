@@ -14,24 +14,30 @@ variables (`replica_mean._apply_with_blocks`). Here the update of a block
 of at least `MIN_ELEMENTS` values is the optimizer's own `update_step`,
 unchanged, traced into a function that XLA compiles
 (`jit_compile=True`): its ops become one loop over the block, with no
-temporaries. Any Keras optimizer, any hyperparameters: the same formula
-and constants as Keras' ops, in the same order; XLA may fuse a multiply
-and an add into one rounding (FMA), so a float32 block may differ from one
-device's in its last bit per step, as a sum over replicas in another order
-does. (TensorFlow's own fused `ResourceApplyAdam` was measured and left
-out: it computes `1 - beta_2` in float32, 1.3e-5 (relative) away from
-Keras' constant for `beta_2=0.999`, so `v` drifts from one device's.)
+temporaries. The same formula and constants as Keras' ops, in the same
+order; XLA may fuse a multiply and an add into one rounding (FMA) or
+rewrite a division (`a / sqrt(b)` as `a * rsqrt(b)`), so a float32 block
+may differ from one device's in its last bit per step, as a sum over
+replicas in another order does. (TensorFlow's own fused
+`ResourceApplyAdam` was measured and left out: it computes `1 - beta_2` in
+float32, 1.3e-5 (relative) away from Keras' constant for `beta_2=0.999`,
+so `v` drifts from one device's.)
 
-Smaller blocks, replicated variables, sparse gradients and updates outside
-ModelParallel's replica step keep Keras' ops: there a compiled launch costs
-about what it saves. So does an optimizer whose `update_step` is not one of
-Keras' own (a subclass's may hold ops XLA cannot compile). TensorFlow logs
-"Compiled cluster using XLA" once per process, at the first step.
+Only Keras' elementwise optimizers by exact class (`_ELEMENTWISE`: Adam,
+AdamW, SGD, RMSprop and the like, not Lamb, Muon or Adafactor, nor a
+subclass, which may hold ops XLA cannot compile), float32 and float64
+variables, and a traced step (not `run_eagerly`, where each step would
+compile again) take the compiled update. Smaller blocks, replicated
+variables, sparse gradients and updates outside ModelParallel's replica
+step keep Keras' ops: there a compiled launch costs about what it saves.
+TensorFlow logs "Compiled cluster using XLA" once per process, at the
+first step.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
+from keras import optimizers
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
 from keras_replicator._src.core import placements
@@ -43,6 +49,26 @@ KINDS = frozenset({"local", "multi_worker"})
 # (256 KB of float32).
 MIN_ELEMENTS = 1 << 16
 
+# Keras' optimizers whose update is elementwise (no norm or statistic over
+# the variable, which a block could not compute as one device does), by
+# exact class: a subclass may add ops XLA cannot compile.
+_ELEMENTWISE = frozenset(
+    {
+        optimizers.Adadelta,
+        optimizers.Adagrad,
+        optimizers.Adam,
+        optimizers.AdamW,
+        optimizers.Adamax,
+        optimizers.Lion,
+        optimizers.Nadam,
+        optimizers.RMSprop,
+        optimizers.SGD,
+    }
+)
+# XLA may keep a 16-bit value's intermediates in float32 where Keras' ops
+# round after each op: 16-bit variables keep Keras' ops.
+_DTYPES = frozenset({tf.float32, tf.float64})
+
 
 def compiles(optimizer, gradient, variable) -> bool:
     """Whether `variable`'s update by `optimizer` is compiled.
@@ -51,7 +77,11 @@ def compiles(optimizer, gradient, variable) -> bool:
     Keras variable reads, here (`placements.local_reads`) this replica's
     block of a sharded one.
     """
-    if not placements.reading_locally() or not _keras_own(optimizer):
+    if type(optimizer) not in _ELEMENTWISE or tf.executing_eagerly():
+        return False
+    if not placements.reading_locally():
+        return False
+    if tf.as_dtype(variable.dtype) not in _DTYPES:
         return False
     if not tf.is_tensor(gradient) or isinstance(gradient, tf.IndexedSlices):
         return False
@@ -65,17 +95,6 @@ def compiles(optimizer, gradient, variable) -> bool:
     if index is None:
         return False
     return placements.of(optimizer._trainable_variables[index]) is not None
-
-
-def _keras_own(optimizer) -> bool:
-    """Whether `optimizer`'s `update_step` is one of Keras' own.
-
-    Keras' optimizers update with ops XLA compiles; a subclass's own
-    `update_step` may use any op (a `py_function`), so it keeps running
-    as written.
-    """
-    module = getattr(type(optimizer).update_step, "__module__", "") or ""
-    return module.startswith("keras.src.optimizers.")
 
 
 def _distributed_tf_update_step(
