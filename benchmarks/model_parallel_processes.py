@@ -118,7 +118,7 @@ def _worker(args):
         1000 * (b - a) for a, b in zip(ends[1:-1], ends[2:], strict=True)
     )
     weights = model.get_weights()  # every process: a sharded read gathers
-    if index == 0:
+    if index == 0 and args.out:  # No --out: no file (not ".npz" here).
         np.savez(args.out, *weights)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
