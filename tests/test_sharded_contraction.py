@@ -618,3 +618,41 @@ def test_products_exchange_only_each_devices_rows_and_columns():
     sums = [op for op in ops if op.type == "CollectiveReduceV2"]
     for op in sums:
         assert op.inputs[0].shape.num_elements() in (1, 2), op.inputs[0]
+
+
+def test_a_moving_kernel_gathers_no_row_counts():
+    # 48 rows of 64 in and 64 out against a 64 x 64 float32 kernel, over
+    # 4 replicas: the kernel is fewer bytes, chosen when traced (rows known
+    # then). That path gathers the kernel in the forward pass and again in
+    # the backward pass, and sums its gradient; each replica's row count is
+    # never read, so no gather exchanges it (a collective, which always
+    # runs: a wasted step-wide wait per product).
+    model = _dense_model(("d0", "d1"))
+    strategy = model.get_layer("d0").kernel._value.distribute_strategy
+
+    @tf.function
+    def step():
+        def replica_fn():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(tf.ones([48, 64])))
+            return tape.gradient(loss, model.trainable_variables)
+
+        return strategy.run(replica_fn)
+
+    graph = step.get_concrete_function().graph
+    gathers = [
+        op for op in graph.get_operations() if op.type == "CollectiveGatherV2"
+    ]
+    # Per replica and layer: the kernel, forward and backward; no rows.
+    assert len(gathers) == 4 * 2 * 2, [op.inputs[0].shape for op in gathers]
+    for op in gathers:
+        assert op.inputs[0].shape.num_elements() == 64 * 16, op.inputs[0]
+    grads = strategy.experimental_local_results(step())
+    w0 = model.get_layer("d0").kernel.numpy()
+    # d sum(x @ w0 @ w1) / d w1 over the 48 rows: each replica's block of
+    # columns, cut from the full gradients summed over the replicas.
+    expected = (np.ones([48, 64], "float32") @ w0).T @ np.ones([48, 64])
+    # (Every replica has the same 48 rows; the blocks are of their mean.)
+    for replica, per_replica in enumerate(grads):
+        columns = slice(16 * replica, 16 * (replica + 1))
+        _close(expected[:, columns], per_replica[2].numpy())

@@ -216,10 +216,12 @@ class _Rows:
     one all-to-all (`collectives.all_to_all_equal`), instead of gathering
     or summing the whole mesh's rows. Made once per op, in its forward
     pass: one gather carries every replica's row count and gradient weight
-    (`gradients.replica_weights`).
+    (`gradients.replica_weights`), unless `exchange` is false: an op whose
+    rows never move (the kernel moves, chosen when traced) needs only this
+    replica's own weight, and takes no collective for it.
     """
 
-    def __init__(self, ctx, placement, rows):
+    def __init__(self, ctx, placement, rows, exchange=True):
         self.ctx = ctx
         self.replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
         self.replicas = ctx.num_replicas_in_sync
@@ -229,6 +231,8 @@ class _Rows:
         ]
         self.rows = rows
         self.weight = gradients.replica_weights(ctx, tf.float32)
+        if not exchange:
+            return
         meta = collectives.all_gather_equal(
             ctx, tf.stack([tf.cast(rows, tf.float32), self.weight])
         )
@@ -344,8 +348,7 @@ def contract(
 
     x_labels, k_labels, out_labels = labels(equation, x, variable)
     placement = placements.of(variable)
-    mesh = _Rows(ctx, placement, tf.shape(x)[0])
-    begin = placement.begin(mesh.replica)
+    replicas = ctx.num_replicas_in_sync
     local = placement.local_shape
     full = placement.full_shape
     # The stored block; the op casts it to the compute dtype (autocast), and
@@ -382,20 +385,26 @@ def contract(
             # splits a global batch), so is the choice; no `tf.cond`.
             x_row = math.prod(x.shape[1:])
             moving = (
-                mesh.replicas
+                replicas
                 * rows
                 * (x_row + x_row // contracted * free)
                 * dtype.size
                 <= kernel_bytes
             )
         else:
-            x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
-            y_row = x_row / contracted * free
-            moving = tf.cast(mesh.replicas * mesh.most, tf.float64) * (
-                x_row + y_row
-            ) * dtype.size <= float(kernel_bytes)
+            moving = None  # Decided in the graph, from the row counts.
     else:
         moving = False
+    # Where the kernel moves (chosen when traced), no rows are gathered,
+    # and neither are their counts.
+    mesh = _Rows(ctx, placement, tf.shape(x)[0], exchange=moving is not False)
+    if moving is None:
+        x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
+        y_row = x_row / contracted * free
+        moving = tf.cast(replicas * mesh.most, tf.float64) * (
+            x_row + y_row
+        ) * dtype.size <= float(kernel_bytes)
+    begin = placement.begin(mesh.replica)
 
     def slices(axis_labels, replica=None):
         """Per axis split by the kernel: (axis, begin, size, full).
