@@ -9,11 +9,13 @@ parameters), Adam, global batch 64, on 4 CPU devices of one process
 - `data_parallel`: `keras.distribution.DataParallel` on the 4 devices;
 - `model_parallel`: `keras.distribution.ModelParallel` on a 1x4 mesh,
   every kernel laid out `(None, "model")`;
-- `gemma_one_device` and `gemma_model_parallel`: keras-hub's
-  `GemmaCausalLM` built from a small config (`GEMMA`: 2 layers, hidden
-  256, 4 heads of 64, MLP 1024, vocabulary 8192; 3.4M parameters, no
-  download), Adam, a batch of 8 sequences of 32 tokens, on one device and
-  under `ModelParallel` with Gemma's own `get_layout_map` on a 1x4 mesh.
+- `gemma_one_device`, `gemma_data_parallel` and `gemma_model_parallel`:
+  keras-hub's `GemmaCausalLM` built from a small config (`GEMMA`: 2
+  layers, hidden 256, 4 heads of 64, MLP 1024, vocabulary 8192; 3.4M
+  parameters, no download), Adam, a batch of 8 sequences of 32 tokens, on
+  one device, under `DataParallel` on the 4 devices (what running a
+  replica's whole step on each device costs, for reference) and under
+  `ModelParallel` with Gemma's own `get_layout_map` on a 1x4 mesh.
   They need keras-hub in both environments, and are skipped (saying so)
   where it is missing.
 
@@ -52,6 +54,7 @@ CASES = (
     "data_parallel",
     "model_parallel",
     "gemma_one_device",
+    "gemma_data_parallel",
     "gemma_model_parallel",
 )
 GEMMA = dict(
@@ -138,6 +141,12 @@ def _gemma(args):
     import keras_hub
     import numpy as np
 
+    if args.case == "gemma_data_parallel":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(
+                devices=keras.distribution.list_devices()[:DEVICES]
+            )
+        )
     if args.case == "gemma_model_parallel":
         devices = keras.distribution.list_devices()[:DEVICES]
         mesh = keras.distribution.DeviceMesh(
@@ -376,23 +385,33 @@ def main():
                 )
             )
     for prefix, name in (("", "MLP"), ("gemma_", "Gemma")):
-        one, split = f"{prefix}one_device", f"{prefix}model_parallel"
-        if not {one, split} <= set(cases):
-            continue
-        for backend in backends:
-            print(
-                summary(
-                    f"{name}: ModelParallel / one device, {backend}",
-                    [
-                        a / b
-                        for a, b in zip(
-                            times[backend, split],
-                            times[backend, one],
-                            strict=True,
-                        )
-                    ],
+        one = f"{prefix}one_device"
+        for mode, title in (
+            ("data_parallel", "DataParallel"),
+            ("model_parallel", "ModelParallel"),
+        ):
+            split = prefix + mode
+            if not {one, split} <= set(cases):
+                continue
+            # Each backend against its own one device, and JAX's against
+            # ours (the bar: our one device).
+            for backend, base in [(b, b) for b in backends] + (
+                [("jax", "tensorflow")] if "jax" in backends else []
+            ):
+                whose = backend if base == backend else "JAX's / ours"
+                print(
+                    summary(
+                        f"{name}: {title} / one device, {whose}",
+                        [
+                            a / b
+                            for a, b in zip(
+                                times[backend, split],
+                                times[base, one],
+                                strict=True,
+                            )
+                        ],
+                    )
                 )
-            )
     return None
 
 
