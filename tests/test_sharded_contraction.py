@@ -656,3 +656,39 @@ def test_a_moving_kernel_gathers_no_row_counts():
     for replica, per_replica in enumerate(grads):
         columns = slice(16 * replica, 16 * (replica + 1))
         _close(expected[:, columns], per_replica[2].numpy())
+
+
+def test_rows_of_other_trailing_dimensions_fail_on_every_replica():
+    # A custom loop whose replicas pad their own sequences differently:
+    # rows of 3 x 64 values on replica 0, of 2 x 64 elsewhere. Rows travel
+    # as equal flat pieces, so each replica's values per row are checked
+    # in the gather of the row counts; the step fails, on every replica,
+    # instead of multiplying misplaced values (or waiting on a replica).
+    keras.distribution.set_distribution(
+        _model_parallel((1, 4), {".*d/kernel": (None, "model")})
+    )
+    layer = keras.layers.Dense(64, name="d")
+    layer.build((None, None, 64))
+    strategy = layer.kernel._value.distribute_strategy
+
+    def batch(context):
+        length = 3 if context.replica_id_in_sync_group == 0 else 2
+        return tf.ones([2, length, 64])
+
+    x = strategy.experimental_distribute_values_from_function(batch)
+
+    @tf.function
+    def step(x):
+        return strategy.run(layer, (x,))
+
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match="other_trailing_dimensions_on_another_replica",
+    ):
+        step(x)
+    # Rows of one shape on every replica: one device's product.
+    same = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.ones([2, 3, 64])
+    )
+    for y in strategy.experimental_local_results(step(same)):
+        _close(np.ones([2, 3, 64]) @ layer.kernel.numpy(), y.numpy())

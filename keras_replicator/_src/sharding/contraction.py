@@ -76,6 +76,13 @@ from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
 
+# Names the check that fails where a replica's rows have other trailing
+# dimensions than another's (`_Rows`): the error names it.
+_OTHER_TRAILING_DIMENSIONS = (
+    "ModelParallel_rows_of_other_trailing_dimensions_on_another_replica_"
+    "pad_every_replicas_batches_to_one_shape"
+)
+
 # Compute dtypes whose activations can move. A 16-bit product split along
 # its contraction is computed and summed over the replicas in float32
 # (`widened`), so it is rounded to 16 bits once, not once per part.
@@ -219,9 +226,15 @@ class _Rows:
     (`gradients.replica_weights`), unless `exchange` is false: an op whose
     rows never move (the kernel moves, chosen when traced) needs only this
     replica's own weight, and takes no collective for it.
+
+    The same gather carries each replica's values per row (`row_size`):
+    rows are gathered and exchanged as equal flat pieces, so a replica
+    whose rows have other trailing dimensions (a custom loop's own padding
+    per replica) would misplace every value after them. It fails instead,
+    on every replica at once, saying so.
     """
 
-    def __init__(self, ctx, placement, rows, exchange=True):
+    def __init__(self, ctx, placement, rows, row_size, exchange=True):
         self.ctx = ctx
         self.replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
         self.replicas = ctx.num_replicas_in_sync
@@ -233,11 +246,29 @@ class _Rows:
         self.weight = gradients.replica_weights(ctx, tf.float32)
         if not exchange:
             return
+        row_size = tf.cast(row_size, tf.float32)
         meta = collectives.all_gather_equal(
-            ctx, tf.stack([tf.cast(rows, tf.float32), self.weight])
+            ctx, tf.stack([tf.cast(rows, tf.float32), self.weight, row_size])
         )
-        meta = tf.reshape(meta, [self.replicas, 2])
-        self.counts = tf.cast(meta[:, 0], tf.int32)
+        meta = tf.reshape(meta, [self.replicas, 3])
+        # Not `tf.debugging.assert_*`: an `Assert` is a stateful op without
+        # a resource input, and `tf.function` runs all of those in the
+        # order they were traced, across replicas: replica 1's check would
+        # wait for ops replica 0 traced after its own gathers, which wait
+        # for replica 1's: a deadlock. `EnsureShape` is stateless: its
+        # input, named for the error it raises, has one value where any
+        # replica's rows differ.
+        differ = tf.reduce_any(tf.not_equal(meta[:, 2], row_size))
+        check = tf.ensure_shape(
+            tf.fill(
+                tf.reshape(tf.cast(differ, tf.int32), [1]),
+                0.0,
+                name=_OTHER_TRAILING_DIMENSIONS,
+            ),
+            [0],
+        )
+        # Read (an empty sum: 0), so the rows wait for it.
+        self.counts = tf.cast(meta[:, 0] + tf.reduce_sum(check), tf.int32)
         # At least one row: TensorFlow's CPU all-to-all fails on no values.
         self.most = tf.maximum(tf.reduce_max(self.counts), 1)
         # Per gathered row: its replica's gradient weight, and whether it
@@ -397,7 +428,13 @@ def contract(
         moving = False
     # Where the kernel moves (chosen when traced), no rows are gathered,
     # and neither are their counts.
-    mesh = _Rows(ctx, placement, tf.shape(x)[0], exchange=moving is not False)
+    mesh = _Rows(
+        ctx,
+        placement,
+        tf.shape(x)[0],
+        tf.reduce_prod(tf.shape(x)[1:]),
+        exchange=moving is not False,
+    )
     if moving is None:
         x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
         y_row = x_row / contracted * free
@@ -550,7 +587,9 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
     if not dtype.is_floating:
         return None
     vocabulary, _ = placement.full_shape
-    mesh = _Rows(ctx, placement, tf.shape(ids)[0])
+    mesh = _Rows(
+        ctx, placement, tf.shape(ids)[0], tf.reduce_prod(tf.shape(ids)[1:])
+    )
     v_begin, _ = placement.begin(mesh.replica)
     v_local, h_local = placement.local_shape
     hidden = placement.full_shape[1]
