@@ -23,6 +23,7 @@ import keras_replicator as kr
 from keras_replicator._src.core import env
 from keras_replicator._src.training import hang_backstop
 from keras_replicator._src.training import hang_watchdog
+from keras_replicator._src.training import preemption
 
 HANG = 2.0
 # Longer than HANG: each of these would be a false alarm if it were timed.
@@ -90,6 +91,51 @@ def test_a_stuck_callback_ends_the_fit_with_a_clear_error(capfd, monkeypatch):
     # The process goes on: the same model trains again.
     monkeypatch.setenv(env.HANG_SECONDS, "0")
     model.fit(x, y, batch_size=8, verbose=0)
+
+
+class _SignalThenBlockAt(keras.callbacks.Callback):
+    """At the end of batch `batch`: a preemption signal, then no return."""
+
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            signal.raise_signal(signal.SIGUSR1)
+            threading.Event().wait()
+
+
+def test_a_preemption_signal_no_step_end_acts_on_ends_the_fit(
+    capfd, monkeypatch
+):
+    # A signal during fit is acted on at a step end. A step that never
+    # ends (a callback here; a deadlocked collective alike) kept the
+    # process deaf to it until the timeout (10 min here). With a signal
+    # pending the bound is the stall warning's: 60 s at least (1 s here),
+    # 10 times the slowest step.
+    monkeypatch.setattr(hang_watchdog, "_WARN_FLOOR_SECONDS", 1.0)
+    model = _model(kr.LocalReplicator(2, hang_seconds=600))
+    x, y = _data()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="hang watchdog stopped this fit"):
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            callbacks=[_SignalThenBlockAt(2)],
+            verbose=0,
+        )
+    assert time.monotonic() - start < 120
+    err = capfd.readouterr().err
+    assert re.search(
+        r"step 3: no progress for \d+ s in fit \(epoch 1\), reaching a "
+        r"step end after SIGUSR1 \(a preemption signal waits at most",
+        err,
+    ), err
+    assert "in on_train_batch_end" in err
+    # Not delivered again after the fit: the error reported it.
+    assert preemption.pending() is None
 
 
 def test_the_error_chains_the_interrupted_traceback():

@@ -37,6 +37,13 @@ per process (started by the first such loop) watches for progress:
   sent again at once (`_Resend`, a `sys.unraisablehook`), and any
   interrupt the loop has not acted on is sent again every
   `_RESEND_SECONDS`, until the loop sees it.
+- A preemption signal (`training/preemption.py`) is acted on at a step
+  end. While one waits for a step end that does not come, the bound is
+  `warn_seconds`, counted from the signal or the end of a save after it
+  (a first step included; a save in progress is not cut short): then the
+  same as at the timeout. Once a step end acts on it, the usual bounds
+  apply (its save is not timed; the exit after it is bounded by the
+  preemption module).
 
 Per step a loop only writes a few attributes and reads the monotonic
 clock. The thread wakes about once a second (20 times per timeout for
@@ -74,6 +81,7 @@ from typing import Any
 from keras_replicator._src.core import env
 from keras_replicator._src.core import traits
 from keras_replicator._src.training import hang_backstop
+from keras_replicator._src.training import preemption
 
 # sysexits.h EX_PROTOCOL, next to preemption's 75 (EX_TEMPFAIL): "start
 # again", as 75, but counted as a failure by restart policies, so that a
@@ -384,6 +392,8 @@ class _Watchdog:
         if frame.seconds is None:
             return
         now = time.monotonic()
+        if self._unheeded(frame, now):
+            return
         untimed = UNTIMED_FACTOR * frame.seconds
         if self.paused or not frame.armed:
             # A save or the first step: bounded at `untimed` only.
@@ -428,12 +438,39 @@ class _Watchdog:
                 f"{frame.seconds:g}) and prints every thread's stack."
             )
 
+    def _unheeded(self, frame: _Frame, now: float) -> bool:
+        """Fires if a preemption signal waits for a step end too long.
+
+        A signal during `fit` is acted on at a step end; a step that never
+        ends (a deadlocked collective) would keep the process alive, deaf
+        to SIGTERM, until the timeout (or five, in a first step). With a
+        signal pending, the bound is the stall warning's (`warn_seconds`:
+        at least 60 s, 10 times the slowest step, at most half the
+        timeout), counted from the signal or the last progress after it (a
+        step end, a save's end), a first step included. A save in progress
+        is not cut short: killing it would lose the backup it writes.
+        """
+        since = preemption.pending_since()
+        if since is None or self.paused:
+            return False
+        idle = now - max(since, frame.last)
+        if idle < warn_seconds(frame.seconds, frame.slowest):
+            return False
+        name = preemption.signal_name(preemption.pending())
+        self._fire(frame, idle, {}, f"reaching a step end after {name}")
+        return True
+
     def _fire(self, frame: _Frame, idle: float, peers, what=None) -> None:
         frame.fired = time.monotonic()
         frame.fired_after = idle
         in_session = interactive()
         where = ""
-        if what is not None:
+        if what is not None and what.startswith("reaching"):
+            where = (
+                f", {what} (a preemption signal waits at most "
+                f"{warn_seconds(frame.seconds, frame.slowest):.3g} s for one)"
+            )
+        elif what is not None:
             where = (
                 f", in {what}, which is given {UNTIMED_FACTOR} times the "
                 "timeout"

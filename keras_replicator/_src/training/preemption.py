@@ -106,6 +106,12 @@ class _Flag:
 
     def __init__(self):
         self.signum: int | None = None
+        # When it came (`time.monotonic()`): the hang watchdog bounds how
+        # long a signal may wait for a step end that never comes...
+        self.since = 0.0
+        # ...until a step end acts on it (the backup's save, then `leave`,
+        # bounded by `_EXIT_DEADLINE_SECONDS`, take it from there).
+        self.acting = False
 
 
 _flag = _Flag()
@@ -122,6 +128,16 @@ def signal_name(signum: int) -> str:
 def pending() -> int | None:
     """The preemption signal this process received during `fit`, if any."""
     return _flag.signum
+
+
+def pending_since() -> float | None:
+    """When (`time.monotonic()`) the pending signal came, or None.
+
+    None too once a step end acts on it (`Agreement` decided to stop).
+    """
+    if _flag.signum is None or _flag.acting:
+        return None
+    return _flag.since
 
 
 @contextlib.contextmanager
@@ -165,6 +181,8 @@ def _restore(previous) -> None:
 def _handler(signum, frame):
     del frame
     if _flag.signum is None:
+        _flag.since = time.monotonic()
+        _flag.acting = False
         _flag.signum = signum
 
 
@@ -189,7 +207,7 @@ class Agreement:
         """Called at every train batch end, on every worker."""
         self._steps += 1
         if self._workers == 1:
-            return _flag.signum is not None
+            return _acting(_flag.signum is not None)
         if self._steps < self._next_check:
             return False
         from keras_replicator._src import collectives
@@ -211,7 +229,7 @@ class Agreement:
         )
         self._next_check = self._steps + self._interval
         self._since, self._since_step = time.monotonic(), self._steps
-        return bool(total[0] > 0)
+        return _acting(bool(total[0] > 0))
 
     def should_stop_at_end(self) -> bool:
         """Called once, at the end of a fit not stopped early.
@@ -221,14 +239,21 @@ class Agreement:
         at its end), so several workers agree with one more sum.
         """
         if self._workers == 1:
-            return _flag.signum is not None
+            return _acting(_flag.signum is not None)
         from keras_replicator._src import collectives
 
         local = np.array([float(_flag.signum is not None), 0.0], np.float64)
         total = collectives.sum_over_workers(
             self._strategy, local, self._workers
         )
-        return bool(total[0] > 0)
+        return _acting(bool(total[0] > 0))
+
+
+def _acting(stop: bool) -> bool:
+    """`stop`; if true, the pending signal is being acted on."""
+    if stop:
+        _flag.acting = True
+    return stop
 
 
 def leave(message: str) -> None:
