@@ -271,13 +271,15 @@ def sharded_mlp(width, layers, processes):
     )
 
 
-def relu_mlp(width):
+def relu_mlp(width, optimizer="adam"):
     """The 16.8M MLP of the speed benchmarks, compiled: seeded, Adam, mse.
 
     4 x Dense(`width`) on `width` inputs, ReLU between (not after the
     last), Adam(1e-3): `vs_jax.py`, `model_parallel_processes.py`,
     `transport.py` and `profile_step.py` time the same model. Built under
-    whatever distribution or scope is current.
+    whatever distribution or scope is current. `optimizer="sgd"`:
+    SGD(0.05) instead, whose steps are proportional to the gradients (Adam
+    turns a last-bit difference in a near-zero gradient into a whole step).
     """
     import keras
 
@@ -291,5 +293,8 @@ def relu_mlp(width):
             for i in range(4)
         ]
     )
-    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    if optimizer == "sgd":
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+    else:
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
     return model

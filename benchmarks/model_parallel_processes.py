@@ -34,7 +34,11 @@ DataParallel's, to the kernel path's and to one device's (measured once,
 first), and ModelParallel's weights against one device's.
 
 `--dtype-policy mixed_bfloat16` runs every mode under that Keras dtype
-policy (float32 weights, 16-bit products).
+policy (float32 weights, 16-bit products). `--optimizer sgd` trains with
+SGD(0.05) instead of Adam: the weights' differences from one device are
+then the gradients' rounding alone (Adam normalises each gradient by its
+own size, so a last-bit difference in a near-zero one can become a whole
+step of the learning rate).
 
     python benchmarks/model_parallel_processes.py [--workers 2] [--pairs 5]
 """
@@ -104,7 +108,7 @@ def _worker(args):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
     y = rng.normal(size=(GLOBAL_BATCH * args.steps, w)).astype("float32")
-    model = relu_mlp(w)
+    model = relu_mlp(w, args.optimizer)
     ends = []
 
     class Clock(keras.callbacks.Callback):
@@ -138,6 +142,7 @@ def _run(args, mode, out):
         f"--steps={args.steps}",
         f"--out={out}",
         f"--dtype-policy={args.dtype_policy}",
+        f"--optimizer={args.optimizer}",
     ]
     processes = 1 if mode == "one_device" else args.workers
     results = run_processes(command, processes)
@@ -161,6 +166,7 @@ def main():
     )
     parser.add_argument("--out", default="")
     parser.add_argument("--dtype-policy", default="float32")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     args = parser.parse_args()
     if args.worker:
         _worker(args)
@@ -172,7 +178,8 @@ def main():
     print(label())
     print(
         f"MLP of 4 Dense({w}) on {w} inputs ({4 * (w * w + w) / 1e6:.1f}M "
-        f"parameters), Adam, global batch {GLOBAL_BATCH}, {args.steps} steps; "
+        f"parameters), {'SGD' if args.optimizer == 'sgd' else 'Adam'}, "
+        f"global batch {GLOBAL_BATCH}, {args.steps} steps; "
         f"{n} processes of one device each "
         f"({'one core each' if pinned else 'not pinned: fewer cores'}), "
         f"one thread per process, dtype policy {args.dtype_policy}"

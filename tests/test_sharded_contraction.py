@@ -589,23 +589,30 @@ def test_with_no_tape_tf_gradients_gets_the_input_gradient():
         _close(expected, dx.numpy())
 
 
-def test_products_exchange_only_each_devices_rows_and_columns():
-    # A device needs only its own rows of a product's output, and only its
-    # block's columns of the output gradients: one all-to-all sends each
-    # device just that. A sum of the whole mesh's output (an all-reduce of
-    # it) would send 2N times the bytes, a gather of whole gradients N.
-    model = _dense_model(("d0", "d1"))
+def _gradient_step(model, rows):
+    """The model's strategy, and a step: each replica's gradients of the
+    sum of its output for `rows` rows of ones."""
     strategy = model.get_layer("d0").kernel._value.distribute_strategy
 
     @tf.function
     def step():
         def replica_fn():
             with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(tf.ones([8, 64])))
+                loss = tf.reduce_sum(model(tf.ones([rows, 64])))
             return tape.gradient(loss, model.trainable_variables)
 
         return strategy.run(replica_fn)
 
+    return strategy, step
+
+
+def test_products_exchange_only_each_devices_rows_and_columns():
+    # A device needs only its own rows of a product's output, and only its
+    # block's columns of the output gradients: one all-to-all sends each
+    # device just that. A sum of the whole mesh's output (an all-reduce of
+    # it) would send 2N times the bytes, a gather of whole gradients N.
+    model = _dense_model(("d0", "d1"))
+    strategy, step = _gradient_step(model, 8)
     graph = step.get_concrete_function().graph
     ops = graph.get_operations()
     per_replica = 4
@@ -628,17 +635,7 @@ def test_a_moving_kernel_gathers_no_row_counts():
     # never read, so no gather exchanges it (a collective, which always
     # runs: a wasted step-wide wait per product).
     model = _dense_model(("d0", "d1"))
-    strategy = model.get_layer("d0").kernel._value.distribute_strategy
-
-    @tf.function
-    def step():
-        def replica_fn():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(tf.ones([48, 64])))
-            return tape.gradient(loss, model.trainable_variables)
-
-        return strategy.run(replica_fn)
-
+    strategy, step = _gradient_step(model, 48)
     graph = step.get_concrete_function().graph
     gathers = [
         op for op in graph.get_operations() if op.type == "CollectiveGatherV2"
