@@ -308,11 +308,14 @@ def main():
     if args.worker:
         return _worker(args)
     cases = args.cases.split(",")
+    missing = _jax_missing(args.jax_python)
+    # keras-hub on JAX is asked for only where JAX is there: without JAX
+    # our side runs alone, Gemma's included.
     hub_missing = [
         python
         for python, backend in (
             (sys.executable, "tensorflow"),
-            (args.jax_python, "jax"),
+            *([] if missing else [(args.jax_python, "jax")]),
         )
         if _hub_missing(python, backend)
     ]
@@ -322,8 +325,9 @@ def main():
             "cases are skipped (pip install keras-hub)."
         )
         cases = [c for c in cases if not c.startswith("gemma")]
+        if not cases:
+            return None
     pythons = {"tensorflow": sys.executable, "jax": args.jax_python}
-    missing = _jax_missing(args.jax_python)
     backends = list(BACKENDS)
     print(label())
     print(f"ours: {_versions(sys.executable, 'tensorflow')}")
@@ -336,10 +340,20 @@ def main():
         backends.remove("jax")
     else:
         print(f"anchor: {_versions(args.jax_python, 'jax')}")
+    models = []
+    if any(not c.startswith("gemma") for c in cases):
+        models.append(
+            f"MLP 4 x Dense({WIDTH}), Adam, global batch {GLOBAL_BATCH}"
+        )
+    if any(c.startswith("gemma") for c in cases):
+        models.append(
+            f"Gemma ({GEMMA['num_layers']} layers, hidden "
+            f"{GEMMA['hidden_dim']}), Adam, batches of {GEMMA_BATCH} x "
+            f"{GEMMA_LENGTH} tokens"
+        )
     print(
-        f"MLP 4 x Dense({WIDTH}), Adam, global batch {GLOBAL_BATCH}, "
-        f"{DEVICES} CPU devices, {args.steps} steps, median of "
-        f"{args.rounds} alternating rounds (s/step)"
+        "; ".join(models) + f"; {DEVICES} CPU devices, {args.steps} steps, "
+        f"median of {args.rounds} alternating rounds (s/step)"
         + ("; ours with jit_compile=True" if args.jit else "")
     )
     times = {(b, c): [] for b in backends for c in cases}
