@@ -428,15 +428,12 @@ def contract(
         moving = False
     # Where the kernel moves (chosen when traced), no rows are gathered,
     # and neither are their counts.
+    row_size = tf.reduce_prod(tf.shape(x)[1:])
     mesh = _Rows(
-        ctx,
-        placement,
-        tf.shape(x)[0],
-        tf.reduce_prod(tf.shape(x)[1:]),
-        exchange=moving is not False,
+        ctx, placement, tf.shape(x)[0], row_size, exchange=moving is not False
     )
     if moving is None:
-        x_row = tf.cast(tf.reduce_prod(tf.shape(x)[1:]), tf.float64)
+        x_row = tf.cast(row_size, tf.float64)
         y_row = x_row / contracted * free
         moving = tf.cast(replicas * mesh.most, tf.float64) * (
             x_row + y_row

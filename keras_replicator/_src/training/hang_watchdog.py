@@ -457,20 +457,21 @@ class _Watchdog:
         if idle < warn_seconds(frame.seconds, frame.slowest):
             return False
         name = preemption.signal_name(preemption.pending())
-        self._fire(frame, idle, {}, f"reaching a step end after {name}")
+        bound = warn_seconds(frame.seconds, frame.slowest)
+        where = (
+            f", reaching a step end after {name} (a preemption signal waits "
+            f"at most {bound:.3g} s for one)"
+        )
+        self._fire(frame, idle, {}, where=where)
         return True
 
-    def _fire(self, frame: _Frame, idle: float, peers, what=None) -> None:
+    def _fire(
+        self, frame: _Frame, idle: float, peers, what=None, where=""
+    ) -> None:
         frame.fired = time.monotonic()
         frame.fired_after = idle
         in_session = interactive()
-        where = ""
-        if what is not None and what.startswith("reaching"):
-            where = (
-                f", {what} (a preemption signal waits at most "
-                f"{warn_seconds(frame.seconds, frame.slowest):.3g} s for one)"
-            )
-        elif what is not None:
+        if what is not None:
             where = (
                 f", in {what}, which is given {UNTIMED_FACTOR} times the "
                 "timeout"
