@@ -72,10 +72,19 @@ x, y, z = step(tf.ones([3]), tf.ones([2, 2]))
 out["step"] = [x.numpy().tolist(), y.numpy().tolist(), z.shape.as_list()]
 
 # A gather of equal lengths that are not static (ModelParallel's padded
-# rows): one Allgather, no barrier and no exchange of the lengths first.
+# rows): its header holds every dimension equal, and one Allgather moves
+# the bytes; a gather of unequal lengths takes the lengths from the
+# headers (no exchange of its own).
 arrivals = []
-arrived = mc._when_all_arrived
-mc._when_all_arrived = lambda *a: (arrivals.append(a[2]), arrived(*a))[1]
+agree = mc._agree
+
+
+def _agree(*args, **kwargs):
+    arrivals.append(mc._KIND_NAMES[args[1]])
+    return agree(*args, **kwargs)
+
+
+mc._agree = _agree
 
 @tf.function(input_signature=[tf.TensorSpec([None])])
 def dynamic(a):
@@ -145,8 +154,8 @@ def test_mpi_carries_one_replica_per_process():
 
 
 def test_a_gather_of_equal_unknown_lengths_is_one_allgather(one_rank):
-    # Only the gather of unequal lengths waits at a barrier and exchanges
-    # the lengths first.
+    # Each checks its header first: the equal gather every dimension, the
+    # unequal one all but the first, whose lengths the headers carry.
     equal, unequal, arrivals = one_rank["dynamic"]
     assert equal == unequal == [1.0, 2.0, 3.0]
-    assert arrivals == ["an all-gather"]
+    assert arrivals == ["an all-gather of equal lengths", "an all-gather"]

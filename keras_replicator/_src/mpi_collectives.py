@@ -13,13 +13,33 @@ coordination service: start-up, the chief's broadcast of initial values
 when variables are created, heartbeats and barriers stay there, once per
 job or per save, not per step.
 
-Each collective is one `tf.numpy_function`, stateful: in a `tf.function`,
-TensorFlow's automatic control dependencies run stateful ops without
-resource inputs in program order, and every MPI op of a graph also waits
-for the previous one explicitly, so every process issues its collectives
-in the order its program made them, whatever order TensorFlow could run
-independent ops in. The buffers are 64-byte aligned, so TensorFlow takes
-the results without a copy; one Allreduce per dtype per call, in place.
+Each collective is one `tf.numpy_function`, stateful. MPI matches
+collectives by their order alone (TensorFlow's own carry instance keys,
+so theirs may run in any order), so every process must issue them in one
+order, whatever order TensorFlow could run independent ops in:
+
+- Within one graph, each MPI op waits for the one made before it.
+- Across graphs (a `tf.while_loop`'s body, a `tf.cond` branch, a nested
+  `tf.function` such as a sharded variable's gather), each MPI op also
+  reads this process's ordering token (a scalar resource) and writes it
+  back after its exchange, as TensorFlow's own collectives use an
+  `ordering_token`. Automatic control dependencies then order every op
+  that holds the token, the `While`, `If` and call ops whose bodies use it
+  included, in program order. Without it, a `While` op (which has resource
+  inputs, so no chain of stateless-resource ops reaches it) ran its first
+  iteration's weight gathers while the ops before the loop still ran
+  theirs: under ModelParallel, keras-hub's `generate` (a sampling loop
+  that reads every sharded weight) paired the gathers of different
+  weights across ranks and returned other tokens on each rank (or, with
+  top-k, an out-of-range index on one rank and a hang on the other).
+- Every collective first exchanges a small header (its count on this
+  process, kind, dtype and shapes) and checks that every rank's agrees: a
+  collective whose peers disagree raises on every rank, naming the op on
+  each, and never moves another rank's bytes. The header's exchange is
+  also the wait for every rank to arrive (see `_agree`).
+
+The buffers are 64-byte aligned, so TensorFlow takes the results without
+a copy; one Allreduce per dtype per call, in place.
 
 MPI has no bfloat16 or float16 sum: those are summed as float32 and cast
 back (gathers move their bits unchanged).
@@ -34,6 +54,7 @@ import atexit
 import os
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -178,8 +199,8 @@ def all_reduce_sum(
         for t in tensors
     ]
 
-    def run(*arrays):
-        return _sum_arrays(arrays, timeout_seconds)
+    def run(arrays, name):
+        return _sum_arrays(arrays, timeout_seconds, name)
 
     outs = _ordered(run, moved, [t.dtype for t in moved])
     results = []
@@ -202,8 +223,9 @@ def all_gather(
         timeout_seconds: Bound on the exchange (None: none).
         equal: Whether every process's tensor has this one's shape when
             the collective runs (static or not: ModelParallel's rows are
-            padded to the most any replica has): then no sizes are
-            exchanged, and one `Allgather` moves the bytes.
+            padded to the most any replica has): then the header's check
+            holds every dimension equal, and one `Allgather` moves the
+            bytes.
 
     Returns:
         The concatenation, of this tensor's dtype.
@@ -211,8 +233,8 @@ def all_gather(
     tensor = tf.convert_to_tensor(tensor)
     moved = _moved(tensor)
 
-    def run(array):
-        return (_gather_array(array, timeout_seconds, equal),)
+    def run(arrays, name):
+        return (_gather_array(arrays[0], timeout_seconds, equal, name),)
 
     (out,) = _ordered(run, [moved], [moved.dtype])
     if equal and tensor.shape.rank and tensor.shape[0] is not None:
@@ -239,9 +261,10 @@ def all_to_all(
     pieces = tf.convert_to_tensor(pieces)
     moved = _moved(pieces)
 
-    def run(array):
+    def run(arrays, name):
         comm = _comm()
-        send = np.ascontiguousarray(array)
+        send = np.ascontiguousarray(arrays[0])
+        _agree(comm, _ALL_TO_ALL, [send], timeout_seconds, name)
         out = _aligned(send.size, send.dtype).reshape(send.shape)
         _exchange(
             comm,
@@ -275,20 +298,64 @@ def _restored(moved: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 
 def _ordered(fn, inputs, dtypes):
-    """Runs `fn` on NumPy arrays as one stateful op, after the graph's last.
+    """Runs `fn(arrays, name)` as one stateful op, in this process's order.
 
-    Every process builds the same program, so a chain of the MPI ops of each
-    graph issues them in the same order on every process.
+    `name` is the op's name (for errors). In a graph the op waits for the
+    graph's previous MPI op, and it reads this process's ordering token
+    before its exchange and writes it after, so automatic control
+    dependencies order it against every other op that holds the token, in
+    this graph or in any function, loop body or branch that it calls (the
+    module docstring says why).
     """
+    label = {"name": "an eager call"}
+
+    def call(*arrays):
+        return fn(arrays[:-1], label["name"])
+
     if tf.executing_eagerly():
-        return _listed(tf.numpy_function(fn, inputs, dtypes, stateful=True))
+        return _listed(
+            tf.numpy_function(
+                call, [*inputs, tf.zeros([], tf.int64)], dtypes, stateful=True
+            )
+        )
+    token = _ordering_token()
     graph = tf.compat.v1.get_default_graph()
     previous = getattr(graph, "_kr_mpi_last", None)
     deps = [] if previous is None else [previous]
     with tf.control_dependencies(deps):
-        outs = _listed(tf.numpy_function(fn, inputs, dtypes, stateful=True))
+        order = tf.raw_ops.ReadVariableOp(resource=token, dtype=tf.int64)
+        outs = _listed(
+            tf.numpy_function(call, [*inputs, order], dtypes, stateful=True)
+        )
+    label["name"] = outs[0].op.name
+    with tf.control_dependencies([outs[0].op]):
+        tf.raw_ops.AssignVariableOp(resource=token, value=order + 1)
     graph._kr_mpi_last = outs[0].op  # noqa: SLF001
     return outs
+
+
+def _ordering_token():
+    """This process's ordering token: a scalar resource, made once, eagerly.
+
+    Raw resource ops, not a `tf.Variable`: a variable made inside a
+    replicator's scope would be a distributed one, its initial value
+    broadcast with a collective.
+    """
+    global _TOKEN
+    if _TOKEN is None:
+        with tf.init_scope():
+            _TOKEN = tf.raw_ops.VarHandleOp(
+                dtype=tf.int64,
+                shape=[],
+                shared_name=f"keras_replicator_mpi_order_{os.getpid()}",
+            )
+            tf.raw_ops.AssignVariableOp(
+                resource=_TOKEN, value=tf.constant(0, tf.int64)
+            )
+    return _TOKEN
+
+
+_TOKEN = None
 
 
 def _listed(outs):
@@ -307,11 +374,12 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _sum_arrays(arrays, timeout):
+def _sum_arrays(arrays, timeout, name="an eager call"):
     """Sums `arrays` over the ranks: one in-place Allreduce per dtype."""
     from mpi4py import MPI
 
     comm = _comm()
+    _agree(comm, _SUM, arrays, timeout, name)
     out = [None] * len(arrays)
     by_dtype: dict[str, list[int]] = {}
     for i, a in enumerate(arrays):
@@ -342,11 +410,12 @@ def _sum_arrays(arrays, timeout):
     return out
 
 
-def _gather_array(array, timeout, equal=False):
+def _gather_array(array, timeout, equal=False, name="an eager call"):
     """Concatenates every rank's `array` along axis 0."""
     comm = _comm()
     send = np.ascontiguousarray(array).reshape(-1)
     if equal:
+        _agree(comm, _EQUAL_GATHER, [array], timeout, name)
         out = _aligned(send.size * comm.Get_size(), array.dtype)
         _exchange(
             comm,
@@ -358,8 +427,15 @@ def _gather_array(array, timeout, equal=False):
         )
         rows = array.shape[0] * comm.Get_size() if array.ndim else -1
         return out.reshape((rows, *array.shape[1:]) if array.ndim else -1)
-    _when_all_arrived(comm, timeout, "an all-gather")
-    rows = comm.allgather(array.shape[0] if array.ndim else 1)
+    # The headers carry each rank's rows: no exchange of the lengths.
+    rows = _agree(
+        comm,
+        _GATHER,
+        [array],
+        timeout,
+        name,
+        rows=array.shape[0] if array.ndim else 1,
+    ).tolist()
     row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
     counts = [r * row for r in rows]
     out = _aligned(sum(counts), array.dtype)
@@ -367,34 +443,108 @@ def _gather_array(array, timeout, equal=False):
     return out.reshape((sum(rows), *array.shape[1:]) if array.ndim else -1)
 
 
+# A collective's kinds, as its header names them.
+_SUM, _GATHER, _EQUAL_GATHER, _ALL_TO_ALL = 1, 2, 3, 4
+_KIND_NAMES = {
+    _SUM: "an all-reduce",
+    _GATHER: "an all-gather",
+    _EQUAL_GATHER: "an all-gather of equal lengths",
+    _ALL_TO_ALL: "an all-to-all",
+}
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks reached collectives that differ (count, order, shape, dtype).
+
+    Raised on every rank, before any of the collective's bytes move.
+    """
+
+
+def _agree(comm, kind, arrays, timeout, name, rows=0) -> np.ndarray:
+    """Checks that every rank is at this same collective; waits for them.
+
+    Every rank sends a header: how many collectives this process has run,
+    the kind, a digest of the dtypes and shapes (an all-gather's first
+    dimension aside, which may differ) and one of the op's name (every
+    process traces the same program, so the names agree; an extra
+    collective on one rank pairs its next ones with other ops of the same
+    shape, whose names differ). One small non-blocking `Iallgather`,
+    polled with the timeout. Headers that differ mean the ranks' programs
+    issued other collectives, or in another order: every rank sees every
+    header, so every rank raises, naming each rank's op.
+    It is also the wait for every rank to arrive before a large exchange:
+    MPICH spins a core in a blocking call, and a rank that arrived first
+    would spin while the others still compute on the same cores.
+
+    Args:
+        comm: The communicator.
+        kind: `_SUM`, `_GATHER`, `_EQUAL_GATHER` or `_ALL_TO_ALL`.
+        arrays: This rank's arrays.
+        timeout: Bound on the wait (None: none).
+        name: This rank's op, for the error.
+        rows: This rank's count along axis 0 (`_GATHER`).
+
+    Returns:
+        Every rank's `rows`, in rank order.
+
+    Raises:
+        CollectiveMismatchError: If the ranks' headers differ.
+        TimeoutError: If a rank did not arrive within `timeout`.
+    """
+    global _COUNT
+    _COUNT += 1
+    shapes = ", ".join(
+        a.dtype.name
+        + str(["*", *a.shape[1:]] if kind == _GATHER else list(a.shape))
+        for a in arrays
+    )
+    header = np.array(
+        [
+            _COUNT,
+            kind,
+            zlib.crc32(shapes.encode()),
+            zlib.crc32(name.encode()),
+            rows,
+        ],
+        np.int64,
+    )
+    everyone = np.empty((comm.Get_size(), header.size), np.int64)
+    dtypes = ", ".join(sorted({str(a.dtype) for a in arrays}))
+    what = f"{_KIND_NAMES[kind]} of {dtypes}"
+    _wait(comm.Iallgather(header, everyone), comm, timeout, what, name)
+    if (everyone[:, :4] != header[:4]).any():
+        # Every rank saw these headers, so every rank is here.
+        ops = comm.allgather(
+            f"{name}: collective #{_COUNT}, {_KIND_NAMES[kind]} of {shapes}"
+        )
+        listed = "; ".join(f"rank {r}: {op}" for r, op in enumerate(ops))
+        raise CollectiveMismatchError(
+            "The MPI ranks reached collectives that differ (their count, "
+            "order, kind, dtype or shape): every rank must issue the same "
+            "collectives in the same order. Nothing was exchanged. "
+            f"Received: {listed}"
+        )
+    return everyone[:, 4]
+
+
+# How many collectives this process has run (every rank's must agree).
+_COUNT = 0
+
+
 def _exchange(comm, nbytes, start, call, timeout, what):
-    """Runs one collective: polled if small, after a barrier if large.
+    """Runs one collective whose ranks have all arrived (`_agree`).
 
     `start` begins it non-blocking (returns its request); `call` runs it
-    blocking. Up to `_SMALL` bytes it is polled itself (`_wait`); larger,
-    every rank first waits for the others (`_when_all_arrived`).
+    blocking. Up to `_SMALL` bytes it is polled (`_wait`); larger, the
+    blocking call only moves bytes.
     """
     if nbytes <= _SMALL:
         _wait(start(), comm, timeout, what)
     else:
-        _when_all_arrived(comm, timeout, what)
         call()
 
 
-def _when_all_arrived(comm, timeout, what):
-    """Returns once every rank has reached this collective.
-
-    MPICH waits in a blocking call by spinning on a core. A rank that
-    arrives first would spin while the others still compute their step on
-    the same cores, so before a large collective every rank first waits
-    for the others here, at a non-blocking barrier (`_wait`); the blocking
-    collective after it only moves bytes. With a timeout, the wait is
-    bounded.
-    """
-    _wait(comm.Ibarrier(), comm, timeout, what)
-
-
-def _wait(request, comm, timeout, what):
+def _wait(request, comm, timeout, what, name=None):
     """Polls `request` until it completes, giving the core away as it waits.
 
     A small collective is started non-blocking and polled here itself: one
@@ -421,6 +571,7 @@ def _wait(request, comm, timeout, what):
                 f"The MPI transport waited {timeout:g} s for the other ranks "
                 f"at {what} on rank {comm.Get_rank()} of {comm.Get_size()}: "
                 "a peer is stuck or gone (collective_timeout_seconds)."
+                + (f" This rank's op: {name}." if name else "")
             )
         if now < yield_until:
             os.sched_yield()

@@ -8,6 +8,7 @@ Workers run `workers/preempt_worker.py`; each subprocess has a bounded
 timeout.
 """
 
+import json
 import os
 import re
 import signal
@@ -107,3 +108,39 @@ def test_collective_timeout_ends_a_sum_whose_peer_never_comes(
     # rank 0 aborts the job at exit instead, and mpiexec ends rank 1. (Its
     # line saying so may be lost with the abort: the time is the check.)
     assert elapsed < 90, elapsed
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+def test_collectives_whose_ranks_disagree_fail_on_every_rank(tmp_path):
+    # Other shapes, dtypes, order or count: each rank's op is named, and
+    # no rank returns another's bytes; a later agreed step is still right.
+    result = harness.mpiexec(
+        WORKERS / "mpi_mismatch_worker.py", tmp_path, timeout=240
+    )
+    log = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, log
+    reports = [
+        json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for rank in (0, 1)
+    ]
+    for rank, report in enumerate(reports):
+        for case in ("shape", "dtype", "order", "count"):
+            error, seconds = report[case]["error"], report[case]["seconds"]
+            what = f"rank {rank} {case}: {error}"
+            assert error is not None, what
+            assert "CollectiveMismatchError" in error, what
+            assert "The MPI ranks reached collectives that differ" in error
+            # Every rank's op, named.
+            assert re.search(r"rank 0: .*PyFunc.*; rank 1: .*PyFunc", error)
+            # At once, not at the collective timeout (30 s).
+            assert seconds < 20, what
+        assert "float32[3]" in report["shape"]["error"]
+        assert "float32[4]" in report["shape"]["error"]
+        assert "extra/" in report["count"]["error"]
+        assert "float64" in report["dtype"]["error"]
+        assert report["agreed"] == {
+            "error": None,
+            "result": [3.0, 3.0],
+            "seconds": report["agreed"]["seconds"],
+        }
