@@ -5,9 +5,11 @@ On JAX one program runs over the whole mesh, so `BatchNormalization` under
 conv net trains to one device's weights and moving statistics. The same
 here: a conv net with BN, fit on 4 devices under `DataParallel(4)` and
 under `ModelParallel` with FSDP-style layouts (kernels split by output
-channel), equals one device (1e-4). A plain `LocalReplicator` keeps
-tf.distribute's per-replica statistics: it equals stock
-`MirroredStrategy` on the same devices, and both differ from one device.
+channel), equals one device (1e-4). So does a plain `LocalReplicator`'s
+`fit` (`patches/batch_statistics.py`), where stock `MirroredStrategy`'s
+per-replica statistics differ from one device; with
+`sync_batch_norm=False`, and in the user's own `strategy.run`, ours keeps
+per-replica statistics and equals stock.
 """
 
 import keras
@@ -103,12 +105,59 @@ def test_model_parallel_fsdp_layouts_normalize_over_the_global_batch(
     _close(_train(), one_device, 1e-4)
 
 
-def test_a_plain_replicator_keeps_per_replica_statistics_as_stock(
+def test_a_replicator_normalizes_over_the_global_batch_by_default(
     one_device,
 ):
+    # No callback added: the replicator's fit is one device's, where stock
+    # MirroredStrategy's per-replica statistics of slices that differ are
+    # not.
     ours = _train(kr.LocalReplicator(4).scope())
     devices = [f"/cpu:{i}" for i in range(4)]
     stock = _train(tf.distribute.MirroredStrategy(devices).scope())
+    _close(ours, one_device, 1e-5)
+    assert _far(stock, one_device) > 1e-2
+
+
+def test_sync_batch_norm_false_keeps_per_replica_statistics_as_stock(
+    one_device,
+):
+    ours = _train(kr.LocalReplicator(4, sync_batch_norm=False).scope())
+    devices = [f"/cpu:{i}" for i in range(4)]
+    stock = _train(tf.distribute.MirroredStrategy(devices).scope())
     _close(ours, stock, 1e-5)
-    # Per-replica statistics of slices that differ: not one device's.
     assert _far(ours, one_device) > 1e-2
+
+
+def _own_run_moments(strategy):
+    """The moving mean after one training call in the user's own `run`."""
+    with strategy.scope():
+        layer = keras.layers.BatchNormalization(momentum=0.0)
+        layer.build((None, 3))
+    x, _ = _data()
+    x = x[:, 0, 0, :]
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(x).batch(64)
+    )
+
+    @tf.function
+    def step(batch):
+        strategy.run(lambda b: layer(b, training=True), args=(batch,))
+
+    step(next(iter(dataset)))
+    return np.array(layer.moving_mean.value.values[0])
+
+
+def test_the_users_own_run_keeps_per_replica_statistics_as_stock():
+    # Code written for tf.distribute keeps tf.distribute's convention: each
+    # replica normalizes by its own slice (replica 0's mean here).
+    devices = [f"/cpu:{i}" for i in range(4)]
+    ours = _own_run_moments(kr.LocalReplicator(4))
+    stock = _own_run_moments(tf.distribute.MirroredStrategy(devices))
+    np.testing.assert_allclose(ours, stock, rtol=1e-6)
+    x, _ = _data()
+    np.testing.assert_allclose(ours, x[:16, 0, 0, :].mean(0), rtol=1e-5)
+
+
+def test_sync_batch_norm_must_be_a_bool():
+    with pytest.raises(TypeError, match="Received: sync_batch_norm='no'"):
+        kr.LocalReplicator(2, sync_batch_norm="no")

@@ -33,6 +33,7 @@ runs; `current()` reads it. A `tf.function` given to `run` is not wrapped
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -75,6 +76,25 @@ class ReplicaStep:
     api: str
     count: tf.Tensor | int | None
     shares: bool = False
+
+
+@contextlib.contextmanager
+def compiled_step():
+    """Marks the replica step traced inside as compiled by XLA on its own.
+
+    `patches/per_replica_jit.py` traces each replica's step in it: such a
+    step cannot all-reduce inside (see `in_compiled_step`).
+    """
+    _local.compiled = getattr(_local, "compiled", 0) + 1
+    try:
+        yield
+    finally:
+        _local.compiled -= 1
+
+
+def in_compiled_step() -> bool:
+    """Whether this thread traces a replica step that XLA compiles alone."""
+    return getattr(_local, "compiled", 0) > 0
 
 
 @tf.autograph.experimental.do_not_convert

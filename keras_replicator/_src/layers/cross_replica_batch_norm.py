@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from keras_replicator._src import collectives
+from keras_replicator._src import gradients
 from keras_replicator._src.layers import in_place
 
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
@@ -188,35 +189,37 @@ def sync_moments(layer, inputs, mask):
     return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
 
 
-def _global_moments(layer, inputs, mask):
-    """`_moments` over the global batch under a `keras.distribution`."""
-    if in_place.under_distribution():
-        return sync_moments(layer, inputs, mask)
-    return type(layer)._moments(layer, inputs, mask)
+def global_statistics_due(layer) -> bool:
+    """Whether `layer` normalizes by the global batch, traced now.
 
+    What `patches/batch_statistics.py` asks of every Keras
+    `BatchNormalization` in training mode. Decided when the step is traced:
 
-def use_global_moments(model) -> bool:
-    """Makes `model`'s `BatchNormalization` layers global under a distribution.
+    - under a `keras.distribution`'s replicator: yes, as on JAX, where one
+      program runs over the whole mesh;
+    - under a replicator with `sync_batch_norm=True` (the default), in a
+      step of one device's convention (a Keras step, `replicate`): yes,
+      so that single-device code gets one device's numbers;
+    - in the user's own `strategy.run`, under `sync_batch_norm=False`,
+      under any other strategy, with one replica, and outside a strategy:
+      no, Keras' own per-replica statistics (stock `MirroredStrategy`'s);
+    - a layer made with `synchronized=True` keeps Keras' own synchronized
+      moments.
 
-    From now on, traced under a `keras.distribution`, they normalize over
-    the global batch. The layers get `_global_moments` in place (as
-    `kr.callbacks.SyncBatchNorm` gives them `sync_moments`): under a
-    distribution's replicator it is `sync_moments`, anywhere else Keras'
-    own. Layers already cross-replica
-    are left as they are.
-
-    Args:
-        model: A Keras model.
-
-    Returns:
-        Whether a layer was changed now (the train function must be traced
-        anew).
+    The rule is the gradient convention's (`gradients.one_device_convention`):
+    code written for one device gets one device's statistics; code written
+    for tf.distribute keeps tf.distribute's.
     """
-    layers = [
-        layer
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-        if isinstance(layer, keras.layers.BatchNormalization)
-        and not isinstance(layer, CrossReplicaBatchNormalization)
-        and "_moments" not in vars(layer)
-    ]
-    return in_place.install(layers, "_moments", _global_moments)
+    if getattr(layer, "synchronized", False):
+        return False
+    if in_place.under_distribution():
+        return True
+    strategy = tf.distribute.get_strategy()
+    if not gradients.is_ours(strategy) or not getattr(
+        strategy, "sync_batch_norm", False
+    ):
+        return False
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return False
+    return gradients.one_device_convention(strategy=strategy)

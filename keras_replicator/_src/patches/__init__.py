@@ -7,6 +7,7 @@ replicators install the ones of their kind (`install_for`). See
 
 from keras_replicator._src.patches import atomic_assign
 from keras_replicator._src.patches import backup_guard
+from keras_replicator._src.patches import batch_statistics
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import chief_saves
 from keras_replicator._src.patches import compiled_updates
@@ -27,6 +28,7 @@ from keras_replicator._src.patches import trainer_loops
 __all__ = (
     "atomic_assign",
     "backup_guard",
+    "batch_statistics",
     "chief_only",
     "chief_saves",
     "compiled_updates",

@@ -303,7 +303,8 @@ def _compile_per_replica(model, step_function):
         applies = []
         patched = _intercept_apply(model, applies)
         try:
-            logs = step_function(data)
+            with replica_step.compiled_step():
+                logs = step_function(data)
         except RuntimeError as err:
             # TF's "`merge_call` called while defining a new graph or a
             # tf.function": something all-reduced inside the compiled step.
@@ -336,7 +337,7 @@ def _compile_per_replica(model, step_function):
     )
 
     @functools.wraps(step_function)
-    def replica_step(data):
+    def step_with_apply(data):
         # Called inside `strategy.run`: the XLA cluster of `compiled` is
         # placed on this replica's device.
         logs, grads = compiled(data)
@@ -347,7 +348,7 @@ def _compile_per_replica(model, step_function):
             optimizer.apply(list(grads), variables)
         return logs
 
-    return replica_step
+    return step_with_apply
 
 
 def _intercept_apply(model, applies):

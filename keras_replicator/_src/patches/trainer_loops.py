@@ -20,9 +20,10 @@ Several behaviours need these entry points, and one patch owns them:
   such variables are rematerialised for `fit` (`sharding/remat.py`), and
   for array data or a batched dataset its products learn the global batch
   (`sharding/contraction.batch_hint`): each chooses its path when traced.
-- Under `keras.distribution` (`DataParallel`, `ModelParallel`),
-  `BatchNormalization` normalizes over the global batch in `fit`, as on
-  JAX (`layers/cross_replica_batch_norm.global_moments`).
+- Under `keras.distribution` (`DataParallel`, `ModelParallel`), `Dropout`
+  draws the global batch's masks in `fit`, as on JAX
+  (`layers/global_dropout.py`); `BatchNormalization`'s global statistics
+  are `patches/batch_statistics.py`'s.
 - At a model's first `fit` under `ModelParallel`, a warning names the
   layout map keys that matched nothing and the large variables it leaves
   whole (`sharding/report.py`).
@@ -41,7 +42,6 @@ import tensorflow as tf
 from keras_replicator._src.core import keras_src
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
-from keras_replicator._src.layers import cross_replica_batch_norm
 from keras_replicator._src.layers import global_dropout
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import preemption
@@ -50,6 +50,7 @@ from keras_replicator._src.sharding import contraction
 from keras_replicator._src.sharding import remat
 from keras_replicator._src.sharding import report
 from keras_replicator._src.training import hang_watchdog
+from keras_replicator._src.training import preemption as resume
 
 
 def _loops(model):
@@ -120,21 +121,19 @@ def _dataset_batch(dataset) -> int | None:
 
 
 def _batch_statistics(model, strategy) -> None:
-    """Global batch statistics and dropout masks under `keras.distribution`.
+    """Global dropout masks under `keras.distribution`.
 
-    On JAX one program runs over the whole mesh, so `BatchNormalization`
-    under `DataParallel` or `ModelParallel` normalizes over the global
-    batch and `Dropout` draws the global batch's mask, one device's. The
-    layers of a model fit under a distribution get overrides that do the
-    same when traced under its replicator (once: the train function is
-    traced anew only then); a plain replicator keeps tf.distribute's
-    per-replica statistics and masks.
+    On JAX one program runs over the whole mesh, so `Dropout` under
+    `DataParallel` or `ModelParallel` draws the global batch's mask, one
+    device's. The layers of a model fit under a distribution get an
+    override that does the same when traced under its replicator (once:
+    the train function is traced anew only then); a plain replicator keeps
+    tf.distribute's per-replica masks. (`BatchNormalization`'s global
+    statistics are `patches/batch_statistics.py`'s, for every replicator.)
     """
     if getattr(strategy, placements.DISTRIBUTION_ATTR, None) is None:
         return
-    moments = cross_replica_batch_norm.use_global_moments(model)
-    masks = global_dropout.use_global_masks(model)
-    if moments or masks:
+    if global_dropout.use_global_masks(model):
         model.train_function = None
 
 
@@ -169,7 +168,8 @@ def _dispatch(name):
         )
         if name == "fit":
             _batch_statistics(self, strategy)
-            with preemption.fit_scope(self), hint:
+            bar = resume.progress_bar(arguments().get("verbose"))
+            with preemption.fit_scope(self), hint, bar:
                 with hang_watchdog.watching(
                     strategy, name, preemption.position(self)
                 ):

@@ -153,6 +153,32 @@ class ReplicatorMixin:
         """
         return getattr(self, "_shard_optimizer_state", False)
 
+    def _set_sync_batch_norm(self, sync_batch_norm: bool) -> None:
+        """Validates and keeps the `sync_batch_norm` argument."""
+        if not isinstance(sync_batch_norm, bool):
+            raise TypeError(
+                "`sync_batch_norm` must be True or False. Received: "
+                f"sync_batch_norm={sync_batch_norm!r}"
+            )
+        self._sync_batch_norm = sync_batch_norm
+
+    @property
+    def sync_batch_norm(self) -> bool:
+        """Whether `BatchNormalization` normalizes over the global batch.
+
+        True (the default): in Keras' `fit`, `evaluate`, `train_on_batch`
+        and `test_on_batch` (any `train_step`), and in `replicate` steps,
+        every `keras.layers.BatchNormalization` computes its training
+        statistics over the global batch of every replica (one all-reduce
+        per layer and step), so the weights and logs are one device's, as
+        under `keras.distribution` and Keras on JAX. Your own
+        `strategy.run` keeps tf.distribute's per-replica statistics, as
+        the gradient convention does (`gradient_reduction`). False keeps
+        per-replica statistics everywhere, where speed matters more than
+        one device's numbers (docs/exact.md has the cost).
+        """
+        return getattr(self, "_sync_batch_norm", True)
+
     def _set_hang_seconds(self, hang_seconds: float | None) -> None:
         """Validates and keeps the `hang_seconds` argument."""
         hang_watchdog.check_setting("hang_seconds", hang_seconds)

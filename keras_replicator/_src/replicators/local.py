@@ -55,6 +55,11 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
             `RuntimeError`). The first step of a loop and checkpoint saves
             are not timed, up to 5 times the timeout. 0 turns it off.
             Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
+        sync_batch_norm: If True (the default), `BatchNormalization`
+            layers compute their training statistics over the global batch
+            in Keras steps and `replicate` steps (one device's numbers);
+            False keeps each replica's own statistics (the property of
+            that name). Defaults to True.
         shard_optimizer_state: If True, each replica keeps 1/N of every
             per-weight optimizer variable (ZeRO stage 1) instead of a full
             copy; checkpoints still hold the full state. Supports `SGD`,
@@ -81,8 +86,10 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         gradient_reduction: str = "auto",
         hang_seconds: float | None = None,
         shard_optimizer_state: bool = False,
+        sync_batch_norm: bool = True,
     ):
         self._set_gradient_reduction(gradient_reduction)
+        self._set_sync_batch_norm(sync_batch_norm)
         self._set_hang_seconds(hang_seconds)
         self._set_shard_optimizer_state(shard_optimizer_state)
         device_names = _resolve_devices(num_replicas, devices)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any
 
 import tensorflow as tf
@@ -82,6 +83,11 @@ class MultiWorkerReplicator(
             up to 5 times the timeout; a stall warning names the workers
             behind. 0 turns it off.
             Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
+        sync_batch_norm: If True (the default), `BatchNormalization`
+            layers compute their training statistics over the global batch
+            in Keras steps and `replicate` steps (one device's numbers);
+            False keeps each replica's own statistics (the property of
+            that name). Defaults to True.
         shard_optimizer_state: If True, each replica keeps 1/N of every
             per-weight optimizer variable (ZeRO stage 1); checkpoints hold
             the full state, gathered from every worker, so every worker
@@ -107,8 +113,10 @@ class MultiWorkerReplicator(
         gradient_reduction: str = "auto",
         hang_seconds: float | None = None,
         shard_optimizer_state: bool = False,
+        sync_batch_norm: bool = True,
     ):
         self._set_gradient_reduction(gradient_reduction)
+        self._set_sync_batch_norm(sync_batch_norm)
         self._set_hang_seconds(hang_seconds)
         self._set_shard_optimizer_state(shard_optimizer_state)
         validation.check_positive_int(
