@@ -9,7 +9,12 @@ check runs when the package loads in full instead.
 """
 
 from keras_replicator._src.cluster import lazy_package as _lazy_package
+from keras_replicator._src.cluster import tf_logs as _tf_logs
 from keras_replicator._src.core import versions as _versions
 
 if not _lazy_package.defer():
+    # One of mpiexec's, srun's or a TF_CONFIG job's processes: as quiet as
+    # under `keras-replicator launch` (no TensorFlow C++ start-up logs),
+    # before anything imports TensorFlow.
+    _tf_logs.quiet_launched_process()
     _versions.check()

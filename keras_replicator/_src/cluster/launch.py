@@ -444,8 +444,47 @@ def _check_mpi(replicas_per_worker, ps) -> str:
     return found
 
 
+def _rank_prefix_options(mpiexec: str) -> tuple[list[str], bool]:
+    """The options that make `mpiexec` prefix lines with `[worker <rank>] `.
+
+    MPICH's and Intel MPI's Hydra take a pattern (`-prepend-pattern`);
+    Open MPI tags each line `[<job>,<rank>]<stdout>:` (`--tag-output`),
+    which `_pump` turns into the same prefix. Another mpiexec gets none,
+    and its lines are prefixed `[mpiexec] `.
+
+    Returns:
+        The options, and whether the launcher must relabel Open MPI's tags.
+    """
+    try:
+        version = subprocess.run(
+            [mpiexec, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [], False
+    if "HYDRA" in version:
+        return ["-prepend-pattern", "[worker %r] "], False
+    if "Open MPI" in version or "OpenRTE" in version:
+        return ["--tag-output"], True
+    return [], False
+
+
+# Open MPI's `--tag-output` tag: `[1,0]<stdout>: `.
+_OPEN_MPI_TAG = re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:\s?")
+# A line that names its worker: `[worker 1] ...`.
+_WORKER_PREFIX = re.compile(r"^\[worker (\d+)\] ")
+# What a worker that received the preemption signal itself prints
+# (training/preemption.py's `leave`, from patches/preemption.py).
+_SIGNALED = re.compile(r"\[keras-replicator\] preempted \((SIG[A-Z0-9]+)\)")
+
+
 def _mpi_task(command, workers, mpiexec):
-    """(name, argv, env) of one `mpiexec -n workers command`."""
+    """(name, argv, env) of one `mpiexec -n workers command`.
+
+    The name is None when mpiexec prefixes each rank's lines itself.
+    """
     env = {
         k: v
         for k, v in os.environ.items()
@@ -456,7 +495,9 @@ def _mpi_task(command, workers, mpiexec):
     env[transport_lib.ENV] = transport_lib.MPI
     env[CPU_REPLICAS_ENV] = "1"
     env[LAUNCHED_ENV] = "1"
-    return [("mpiexec", [mpiexec, "-n", str(workers), *command], env)]
+    options, _ = _rank_prefix_options(mpiexec)
+    name = None if options else "mpiexec"
+    return [(name, [mpiexec, *options, "-n", str(workers), *command], env)]
 
 
 def _launch_once(
@@ -496,6 +537,9 @@ def _launch_once(
     )
     lock = threading.Lock()
     clash = threading.Event()
+    # Worker index -> the signal it received itself (what `_pump` read).
+    signaled: dict[int, str] = {}
+    relabel = bool(mpiexec) and _rank_prefix_options(mpiexec)[1]
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     preempted = False
@@ -519,11 +563,13 @@ def _launch_once(
                 target=_pump,
                 args=(
                     proc.stdout,
-                    f"[{name}] ",
+                    "" if name is None else f"[{name}] ",
                     out,
                     lock,
                     clash,
                     tf_logs.StartupLogFilter() if quiet else None,
+                    signaled,
+                    relabel,
                 ),
                 daemon=True,
             )
@@ -532,7 +578,7 @@ def _launch_once(
         # Under parameter servers the chief's exit ends the run: servers
         # never exit, and a dead worker's steps move to the others.
         code, preempted = _wait_all(
-            procs[:1] if ps else procs, out, lock, received, procs
+            procs[:1] if ps else procs, out, lock, received, procs, signaled
         )
     except KeyboardInterrupt:
         _print(out, lock, "[launch] interrupted; ending all workers")
@@ -580,12 +626,28 @@ def _pump(
     lock,
     clash: threading.Event,
     startup: tf_logs.StartupLogFilter | None,
+    signaled: dict[int, str] | None = None,
+    relabel: bool = False,
 ) -> None:
+    """Prints a worker's lines with `prefix`, noting what they tell.
+
+    A line saying its worker received the preemption signal itself goes
+    into `signaled` (worker index -> signal name), so the launcher names
+    that worker. With `relabel`, Open MPI's tags become `[worker i] `.
+    """
+    own_index = _WORKER_PREFIX.match(prefix)
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
+        if relabel:
+            line = _OPEN_MPI_TAG.sub(lambda m: f"[worker {m[1]}] ", line)
         if any(marker in line for marker in PORT_CLASH):
             clash.set()
-        if startup is None or startup.keep(line):
+        found = _SIGNALED.search(line)
+        if found and signaled is not None:
+            named = own_index or _WORKER_PREFIX.match(line)
+            if named:
+                signaled.setdefault(int(named[1]), found[1])
+        if startup is None or startup.keep(_WORKER_PREFIX.sub("", line)):
             _print(out, lock, prefix + line)
     stream.close()
 
@@ -601,7 +663,9 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _wait_all(procs, out, lock, received, everyone) -> tuple[int, bool]:
+def _wait_all(
+    procs, out, lock, received, everyone, signaled=None
+) -> tuple[int, bool]:
     """Waits for `procs`; returns the exit code and whether preempted."""
     while True:
         if received:
@@ -622,12 +686,11 @@ def _wait_all(procs, out, lock, received, everyone) -> tuple[int, bool]:
             if code is None:
                 running = True
             elif code == preemption.EXIT_CODE:
-                _print(
-                    out,
-                    lock,
-                    f"[launch] worker {index} was preempted (exit code "
-                    f"{code}); waiting for the others to save and exit",
-                )
+                # Every worker leaves with this code once they agreed: the
+                # first to exit is not always the one that got the signal.
+                # Its own line says which did (`_pump`).
+                _wait_for_exits(procs, _SIGNALED_LINE_SECONDS)
+                _print(out, lock, _preempted_line(index, code, signaled))
                 return _wait_preempted(procs, out, lock), True
             elif code == hang_watchdog.EXIT_CODE:
                 _print(
@@ -651,6 +714,26 @@ def _wait_all(procs, out, lock, received, everyone) -> tuple[int, bool]:
         if not running:
             return 0, False
         time.sleep(0.1)
+
+
+# How long the launcher waits for the other workers (and the line of the
+# one that got the signal) before it reports a preemption.
+_SIGNALED_LINE_SECONDS = 5.0
+
+
+def _preempted_line(index, code, signaled) -> str:
+    """What the launcher says of a preemption: the worker that got it."""
+    if signaled:
+        worker = min(signaled)
+        return (
+            f"[launch] worker {worker} received {signaled[worker]} and every "
+            f"worker saved and left (exit code {code}); waiting for the "
+            "others to exit"
+        )
+    return (
+        f"[launch] worker {index} was preempted (exit code {code}); waiting "
+        "for the others to save and exit"
+    )
 
 
 def _wait_for_exits(procs, seconds: float) -> None:

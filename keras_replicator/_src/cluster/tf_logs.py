@@ -16,7 +16,13 @@ out by their format (`StartupLogFilter`).
 
 The commands (`demo`, `env`, `launch` and the workers it starts) hide them
 unless `--verbose` is given or the user set `TF_CPP_MIN_LOG_LEVEL`
-(`quiet_wanted`). Programs that `import keras_replicator` are left alone.
+(`quiet_wanted`). So does a process that another launcher started as one
+of a job's processes (`mpiexec`, `srun`, or a `TF_CONFIG` of several
+tasks, as Kubernetes sets) when it imports `keras_replicator` before
+TensorFlow (`quiet_launched_process`): every rank would otherwise print
+the start-up logs, and TensorFlow's coordination service an INFO line for
+every barrier (the library's saves pass several). A single-process
+program that imports `keras_replicator` is left alone.
 
 TensorFlow-free.
 """
@@ -113,3 +119,50 @@ def hidden_startup_logs() -> Iterator[None]:
                 sys.stderr.flush()
     finally:
         os.close(saved)
+
+
+# What a launcher other than ours sets in each process of a job.
+_LAUNCHED_VARS = (
+    "PMI_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "SLURM_PROCID",
+)
+
+
+def launched(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one of a multi-process job's.
+
+    Started by mpiexec or srun (their rank variables), or given a
+    `TF_CONFIG` whose cluster holds more than one task.
+    """
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in _LAUNCHED_VARS):
+        return True
+    config = environ.get("TF_CONFIG", "")
+    if not config:
+        return False
+    import json
+
+    try:
+        cluster = json.loads(config).get("cluster", {})
+    except (ValueError, AttributeError):
+        return False  # The replicator reports a malformed TF_CONFIG.
+    return sum(len(tasks) for tasks in cluster.values()) > 1
+
+
+def quiet_launched_process() -> None:
+    """Hides TensorFlow's C++ logs in one process of a multi-process job.
+
+    Called by `keras_replicator/__init__.py` before it imports TensorFlow.
+    Only when this process is one of a job's (`launched`), TensorFlow is
+    not imported yet (then it is too late) and the user did not set
+    `TF_CPP_MIN_LOG_LEVEL`: it sets that to `QUIET_LEVEL`, as `keras-
+    replicator launch` does for its workers, and imports TensorFlow with
+    the start-up lines dropped.
+    """
+    if "tensorflow" in sys.modules or not quiet_wanted() or not launched():
+        return
+    os.environ[LEVEL_ENV] = QUIET_LEVEL
+    with hidden_startup_logs():
+        import tensorflow  # noqa: F401

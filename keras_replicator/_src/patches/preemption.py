@@ -496,6 +496,8 @@ def _load_model(original, self):
     if os.path.exists(metadata_path):
         with open(metadata_path) as f:
             metadata = json.load(f)
+        if getattr(run.strategy, "is_chief", True):
+            say_restored(source, metadata, describe_strategy(run.strategy))
         _resume_from(run, metadata, source, target, self.model)
     return None
 
@@ -555,11 +557,9 @@ def say_restored(source, metadata: dict, where: str, note: str = "") -> None:
         position = f"after step {done} of epoch {epoch + 1}"
     saved = ours.get("topology")
     written = f", written on {_describe(saved)}" if saved else ""
-    print(
-        f"[keras-replicator] restored the backup {os.fspath(source)} "
-        f"({position}{written}) on {where}{note}",
-        file=sys.stderr,
-        flush=True,
+    preemption.say(
+        f"restored the backup {os.fspath(source)} "
+        f"({position}{written}) on {where}{note}"
     )
 
 

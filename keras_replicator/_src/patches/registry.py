@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 import sys
 import threading
 import types
@@ -393,3 +394,51 @@ def _qualname(target: Target) -> str:
         target.owner, "__name__", repr(target.owner)
     )
     return f"{owner}.{target.name}"
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def call_original(original: Callable[..., Any], *args, **kwargs) -> Any:
+    """Calls `original` as if no patch stood between it and its caller.
+
+    A warning the original raises with a `stacklevel` pointing at its
+    caller would name the patch (this package's file and line) where
+    stock Keras names its own code: such a warning is attributed to the
+    first caller outside this package instead, with its module, so the
+    user sees where it really comes from and filters by module still
+    apply (`replicators/multi_worker.py` keeps Keras' warnings to the
+    chief). Other warnings pass unchanged.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = original(*args, **kwargs)
+    for warning in caught:
+        filename, lineno, module, frame = (
+            warning.filename,
+            warning.lineno,
+            _module_of(warning.filename),
+            None,
+        )
+        if _is_ours(filename):
+            frame = sys._getframe(1)
+            while frame is not None and _is_ours(frame.f_code.co_filename):
+                frame = frame.f_back
+        if frame is not None:
+            filename, lineno = frame.f_code.co_filename, frame.f_lineno
+            module = frame.f_globals.get("__name__", module)
+        warnings.warn_explicit(
+            warning.message, warning.category, filename, lineno, module=module
+        )
+    return result
+
+
+def _is_ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def _module_of(filename: str) -> str | None:
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == filename:
+            return name
+    return None

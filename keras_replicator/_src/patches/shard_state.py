@@ -478,8 +478,9 @@ def _save_own_variables(original, self, store):
 def _load_own_variables(original, self, store):
     shards = _SHARDS.get(self)
     if shards is None or len(store.keys()) != len(self.variables):
-        # Stock Keras warns and skips on a count mismatch.
-        return original(self, store)
+        # Stock Keras warns and skips on a count mismatch: its warning is
+        # attributed to Keras' caller, not to this line.
+        return registry.call_original(original, self, store)
     for i, variable in enumerate(self.variables):
         value = np.asarray(store[str(i)])
         if id(variable) not in shards.slots:

@@ -169,6 +169,8 @@ class MultiWorkerReplicator(
         tf.distribute.Strategy.__init__(self, extended)
         layout.advise_once(config, device_type, count)
         _say_transport_once(config, self._transport)
+        if not config.is_chief:
+            _chief_says_upstream_warnings()
 
     def reduce(self, reduce_op, value, axis=None):
         """Reduces `value` across every replica of every worker.
@@ -249,6 +251,23 @@ class MultiWorkerReplicator(
 
 
 _said_transport = False
+
+
+# Where a warning of Keras' or TensorFlow's comes from, by the module it
+# is attributed to.
+_UPSTREAM_MODULES = r"(keras|tensorflow|tf_keras|keras_hub)(\.|$)"
+
+
+def _chief_says_upstream_warnings() -> None:
+    """Keeps Keras' and TensorFlow's warnings to the chief's output.
+
+    Every worker runs the same program, so every worker would print the
+    same warning of Keras' or TensorFlow's (`shuffle=True ... ignored`,
+    `Skipping variable loading for optimizer`): the chief prints them once,
+    for the job. The program's own warnings, and this package's, still
+    print on every worker.
+    """
+    warnings.filterwarnings("ignore", module=_UPSTREAM_MODULES)
 
 
 def _say_transport_once(config, choice) -> None:

@@ -256,6 +256,43 @@ def _acting(stop: bool) -> bool:
     return stop
 
 
+def say(message: str) -> None:
+    """Prints `[keras-replicator] message` on a line of its own (stderr).
+
+    During a `fit` with Keras' progress bar, the bar's line is open (it is
+    redrawn after a carriage return until the epoch ends), and stdout and
+    stderr often share one terminal or pipe (`keras-replicator launch`
+    merges them): the message would be glued onto the bar. So the bar's
+    line is ended first (`progress_bar`).
+    """
+    if _bar.open:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"[keras-replicator] {message}", file=sys.stderr, flush=True)
+
+
+class _Bar:
+    open = False
+
+
+_bar = _Bar()
+
+
+@contextlib.contextmanager
+def progress_bar(verbose) -> Iterator[None]:
+    """Marks a `fit` whose progress bar may hold an open line (`say`).
+
+    Args:
+        verbose: `fit`'s `verbose` argument: 1 and `"auto"` draw the bar.
+    """
+    saved = _bar.open
+    _bar.open = verbose in (1, "auto")
+    try:
+        yield
+    finally:
+        _bar.open = saved
+
+
 def leave(message: str) -> None:
     """Prints `message` and exits with `EXIT_CODE` (bounded in time).
 
@@ -266,8 +303,7 @@ def leave(message: str) -> None:
     """
     # Acted on: `handling` must not deliver it again on the way out.
     _flag.signum = None
-    print(f"[keras-replicator] {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    say(message)
     global _exit_deadline
     _exit_deadline = threading.Timer(
         _EXIT_DEADLINE_SECONDS, os._exit, (EXIT_CODE,)
