@@ -24,6 +24,7 @@ _RUNNABLE = ("python", "py", "python3")
 # extra (pyproject.toml) that installs it.
 EXTRAS = {
     "keras_hub": "hub",
+    "keras_tuner": "tuner",
     "mpi4py": "mpi",
     "sklearn": "demo",
     "tensorflow_datasets": "datasets",

@@ -107,7 +107,7 @@ def test_wheel_metadata_has_license_and_extras(dist):
     hub = [r for r in requires if r.startswith("keras-hub")]
     assert hub == ['keras-hub>=0.20; extra == "hub"'], hub
     (dev,) = [r for r in requires if r.startswith("keras-replicator[")]
-    assert Requirement(dev).extras == {"demo", "hub"}, dev
+    assert Requirement(dev).extras == {"demo", "hub", "tuner"}, dev
     assert Requirement(dev).marker.evaluate({"extra": "dev"}), dev
 
 
@@ -120,7 +120,7 @@ def test_sdist_holds_what_builds_the_wheel(dist):
     assert not [n for n in names if n.split("/")[0] in NOT_SHIPPED]
 
 
-def _runtime_closure(wheel):
+def _runtime_closure(wheel, extras=()):
     """Every distribution the wheel needs at run time, with its extras."""
 
     def wanted(req, extras):
@@ -129,7 +129,7 @@ def _runtime_closure(wheel):
         )
 
     requires = _wheel_metadata(wheel).get_all("Requires-Dist")
-    todo = [r for r in map(Requirement, requires) if wanted(r, ())]
+    todo = [r for r in map(Requirement, requires) if wanted(r, extras)]
     closure = {}
     while todo:
         req = todo.pop()
@@ -143,6 +143,24 @@ def _runtime_closure(wheel):
             if wanted(sub, tuple(closure[name])):
                 todo.append(sub)
     return sorted(closure)
+
+
+def _link_outside_site_packages(names, site_packages):
+    """Links the distributions' files outside site-packages, as pip puts them.
+
+    Their commands (`bin/`: MPICH's mpiexec) and shared libraries (`lib/`:
+    its libmpi, which mpi4py loads from the environment's prefix).
+    """
+    for name in names:
+        dist = importlib.metadata.distribution(name)
+        for file in dist.files or ():
+            if file.parts[0] != "..":
+                continue
+            target = pathlib.Path(dist.locate_file(file)).resolve()
+            link = pathlib.Path(os.path.normpath(site_packages / file))
+            if target.exists() and not os.path.lexists(link):
+                link.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(target, link)
 
 
 def _link_distributions(names, site_packages):
@@ -203,6 +221,16 @@ def _readme_quickstart():
 @pytest.fixture(scope="module")
 def venv(dist, tmp_path_factory):
     """A fresh environment: the wheel and its runtime dependencies only."""
+    return _fresh_venv(dist, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mpi_venv(dist, tmp_path_factory):
+    """A fresh environment: `pip install "keras-replicator[mpi]"`."""
+    return _fresh_venv(dist, tmp_path_factory, extras=("mpi",))
+
+
+def _fresh_venv(dist, tmp_path_factory, extras=()):
     wheel, _ = dist
     root = tmp_path_factory.mktemp("venv")
     subprocess.run(
@@ -220,12 +248,17 @@ def venv(dist, tmp_path_factory):
             env=env,
         ).stdout.strip()
     )
-    _link_distributions(_runtime_closure(wheel), site_packages)
+    names = _runtime_closure(wheel, extras)
+    _link_distributions(names, site_packages)
+    if extras:
+        # An extra's commands and libraries (MPICH's), as pip installs them.
+        _link_outside_site_packages(names, site_packages)
     # This environment's pip, run by the fresh one's Python.
     pip = [sys.executable, "-m", "pip", "--python", python]
     quiet = ["--disable-pip-version-check", "--no-input", "-q"]
+    target = f"{wheel}[{','.join(extras)}]" if extras else wheel
     install = subprocess.run(
-        [*pip, "install", *quiet, "--no-deps", "--no-index", wheel],
+        [*pip, "install", *quiet, "--no-deps", "--no-index", target],
         capture_output=True,
         text=True,
         timeout=300,
@@ -318,3 +351,64 @@ def test_the_gemma_example_names_the_hub_extra_from_the_wheel(venv, tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     (line,) = result.stderr.strip().splitlines()
     assert 'pip install "keras-replicator[hub]"' in line, line
+
+
+_TENSORBOARD = """
+import os, sys
+import keras, numpy as np
+import keras_replicator as kr
+with kr.LocalReplicator(1).scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+model.fit(np.ones((8, 4)), np.ones((8, 1)), epochs=2, verbose=0,
+          callbacks=[keras.callbacks.TensorBoard(sys.argv[1])])
+events = [f for _, _, fs in os.walk(sys.argv[1]) for f in fs
+          if f.startswith("events.out.tfevents")]
+print("EVENTS", len(events))
+"""
+
+
+def test_tensorboard_callback_works_from_the_wheel(venv, tmp_path):
+    # TensorFlow 2.21 no longer brings tensorboard: the package does.
+    result = _run_in(
+        venv,
+        [venv / "bin" / "python", "-c", _TENSORBOARD, tmp_path / "logs"],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("EVENTS")]
+    assert int(line.split()[1]) >= 1, result.stdout
+
+
+def test_the_mpi_extra_brings_a_working_mpiexec(mpi_venv, tmp_path):
+    # `launch --transport mpi` finds the extra's mpiexec beside Python.
+    script = tmp_path / "sum.py"
+    script.write_text(
+        "import keras_replicator as kr\n"
+        "import tensorflow as tf\n"
+        "r = kr.MultiWorkerReplicator()\n"
+        "total = r.reduce('SUM', r.run(lambda: tf.constant(1.0)), None)\n"
+        "print('TRANSPORT', r.transport, float(total))\n"
+    )
+    result = _run_in(
+        mpi_venv,
+        [
+            mpi_venv / "bin" / "keras-replicator",
+            "launch",
+            "--workers",
+            "2",
+            "--replicas-per-worker",
+            "1",
+            "--transport",
+            "mpi",
+            "--",
+            mpi_venv / "bin" / "python",
+            script,
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for worker in (0, 1):
+        assert f"[worker {worker}] TRANSPORT mpi 2.0" in result.stdout, (
+            result.stdout[-3000:]
+        )

@@ -152,6 +152,10 @@ def worker_env(
     return out
 
 
+# The transport of one-replica workers when a test names none.
+TRANSPORT_ENV = "KERAS_REPLICATOR_TEST_TRANSPORT"
+
+
 def run_workers(
     script: str | os.PathLike,
     num_workers: int = 2,
@@ -163,7 +167,7 @@ def run_workers(
     check: bool = True,
     kill_on_failure: bool = True,
     attempts: int = 2,
-    transport: str = "grpc",
+    transport: str | None = None,
 ) -> list[WorkerResult]:
     """Runs `script` as `num_workers` processes of one loopback cluster.
 
@@ -185,6 +189,9 @@ def run_workers(
             started as the ranks of one `mpiexec`, so their collectives go
             over MPI (`KERAS_REPLICATOR_TRANSPORT=mpi`; one replica per
             worker). Every worker's return code is then mpiexec's.
+            Defaults to `KERAS_REPLICATOR_TEST_TRANSPORT` where the workers
+            hold one replica each (a whole run of the multi-worker tests
+            over MPI, to see what differs), else `"grpc"`.
 
     Returns:
         One `WorkerResult` per worker, in task order.
@@ -192,6 +199,10 @@ def run_workers(
     Raises:
         WorkerError: If `check` and a worker failed or timed out.
     """
+    if transport is None:
+        transport = "grpc"
+        if replicas_per_worker == 1:
+            transport = os.environ.get(TRANSPORT_ENV, "grpc")
     with tempfile.TemporaryDirectory(prefix="kr_workers_") as tmp:
         path = Path(script) if _is_path(script) else None
         if path is None:

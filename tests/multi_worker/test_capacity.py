@@ -67,7 +67,10 @@ harness.write_result(report)
 
 @pytest.mark.multi_worker
 @pytest.mark.timeout(420)
-def test_every_process_saves_the_chief_writes_and_a_lone_read_fails(tmp_path):
+@pytest.mark.parametrize("transport", ["grpc", "mpi"])
+def test_every_process_saves_the_chief_writes_and_a_lone_read_fails(
+    tmp_path, transport
+):
     saved = tmp_path / "saved"
     saved.mkdir()
     results = harness.run_workers(
@@ -76,6 +79,7 @@ def test_every_process_saves_the_chief_writes_and_a_lone_read_fails(tmp_path):
         replicas_per_worker=1,
         timeout=300,
         args=[str(saved), str(tmp_path / "read_done")],
+        transport=transport,
     )
     chief, other = (r.result for r in results)
     # One device each, holding half of the hidden kernel (6, 8).

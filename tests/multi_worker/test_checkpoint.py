@@ -140,13 +140,17 @@ def _assert_files_hold_own_blocks(index, folder, trained, report):
 
 @pytest.mark.multi_worker
 @pytest.mark.timeout(420)
-def test_each_process_writes_its_blocks_and_any_mesh_loads_them(tmp_path):
+@pytest.mark.parametrize("transport", ["grpc", "mpi"])
+def test_each_process_writes_its_blocks_and_any_mesh_loads_them(
+    tmp_path, transport
+):
     results = harness.run_workers(
         WORKER,
         num_workers=2,
         replicas_per_worker=1,
         timeout=300,
         args=[str(tmp_path)],
+        transport=transport,
     )
     chief, other = (r.result for r in results)
     trained = [np.asarray(w) for w in chief["trained"]]

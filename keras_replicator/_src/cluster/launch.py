@@ -640,6 +640,11 @@ def _pump(
         line = raw.decode(errors="replace").rstrip("\n")
         if relabel:
             line = _OPEN_MPI_TAG.sub(lambda m: f"[worker {m[1]}] ", line)
+        named = _WORKER_PREFIX.match(line)
+        if named and not prefix:
+            # Hydra prefixes every write, not every line: a line written
+            # in pieces (a traceback's carets) repeats the prefix inside.
+            line = named[0] + line[named.end() :].replace(named[0], "")
         if any(marker in line for marker in PORT_CLASH):
             clash.set()
         found = _SIGNALED.search(line)
