@@ -308,3 +308,42 @@ def test_launch_restarts_a_failed_group_up_to_max_restarts(tmp_path, capsys):
     assert "(restart 2 of 2)" in out
     with pytest.raises(ValueError, match="Received: max_restarts=-1"):
         launch.launch(["true"], workers=1, max_restarts=-1)
+
+
+_GLUE = """
+import keras, numpy as np
+import keras_replicator as kr
+from keras_replicator._src.training import preemption
+
+
+class Say(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            preemption.say("a message mid-epoch")
+
+
+with kr.LocalReplicator(1).scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+model.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=8, epochs=1,
+          callbacks=[Say()])
+"""
+
+
+def test_a_message_during_fit_is_not_glued_onto_the_progress_bar(tmp_path):
+    # stdout and stderr in one pipe, as `keras-replicator launch` reads
+    # them: the bar's open line is ended before the message.
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-c", _GLUE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=240,
+        cwd=tmp_path,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    out = result.stdout.decode(errors="replace")
+    assert result.returncode == 0, out[-3000:]
+    (line,) = [x for x in out.split("\n") if "a message mid-epoch" in x]
+    assert line == "[keras-replicator] a message mid-epoch", repr(line)

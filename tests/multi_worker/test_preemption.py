@@ -143,6 +143,18 @@ def test_sigterm_to_a_worker_then_to_the_launcher_resumes_exactly(
     assert second.wait(timeout=60) == PREEMPTED, second.output()[-4000:]
     _assert_gone(pids)
     assert "received SIGTERM; forwarding it to every worker" in second.output()
+    # The resume said where it resumed, and from which backup (the chief).
+    resumed = [
+        line
+        for line in second.output().splitlines()
+        if "[keras-replicator] restored the backup" in line
+    ]
+    assert len(resumed) == 1, second.output()[-4000:]
+    epoch, step = divmod(saved, ref.STEPS_PER_EPOCH)
+    where = f"after step {step} of epoch {epoch + 1}"
+    if step == 0:
+        where = f"at the start of epoch {epoch + 1}"
+    assert f"{backup} ({where}" in resumed[0], resumed[0]
     for index in (0, 1):
         trained = second.result(index)["trained"]
         assert ref.step_of(trained[0]) == saved, trained
