@@ -320,3 +320,35 @@ def test_launch_mpi_refuses_what_mpi_cannot_carry(option, received, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "--transport mpi" in err and received in err
+
+
+@pytest.mark.parametrize(
+    "environ, launched",
+    [
+        ({}, False),
+        ({"PMI_RANK": "1"}, True),
+        ({"OMPI_COMM_WORLD_RANK": "0"}, True),
+        ({"SLURM_PROCID": "3"}, True),
+        (
+            {
+                "TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2"]}, '
+                '"task": {"type": "worker", "index": 0}}'
+            },
+            True,
+        ),
+        (
+            {
+                "TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, '
+                '"task": {"type": "worker", "index": 0}}'
+            },
+            False,
+        ),
+        ({"TF_CONFIG": "not json"}, False),
+    ],
+)
+def test_a_process_of_another_launchers_job_is_quieted(environ, launched):
+    # mpiexec, srun and a TF_CONFIG job of several tasks: their processes
+    # import keras_replicator with TensorFlow's C++ start-up logs hidden,
+    # as `keras-replicator launch` starts its workers
+    # (tests/multi_worker/test_output.py shows it under mpiexec).
+    assert tf_logs.launched(environ) is launched
