@@ -248,3 +248,51 @@ def test_lower_layers_never_import_replicators(name):
         if module == prefix or module.startswith(prefix + "."):
             upward = [e for e in edges if ".replicators" in e]
             assert not upward, f"{module} imports {upward}"
+
+
+# Keras' and TensorFlow's private code.
+_PRIVATE = ("keras.src", "tensorflow.python")
+# Where it may be imported: the patches (beside their pins) and the door.
+_PRIVATE_DOORS = (PATCHES, PACKAGE / "_src" / "upstream")
+
+
+def _private_imports(path):
+    """The private Keras/TensorFlow modules `path` imports, anywhere in it."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:
+                continue
+            names = [node.module]
+        for name in names:
+            if any(name == p or name.startswith(p + ".") for p in _PRIVATE):
+                found.append(f"{name} (line {node.lineno})")
+    return found
+
+
+def test_private_keras_and_tensorflow_code_only_through_the_door():
+    # Everything else reads `keras.src` and `tensorflow.python` through
+    # `_src/upstream`, whose names are pinned (`patches/upstream_pins.py`).
+    leaks = {}
+    for _, path in _modules():
+        if any(path.is_relative_to(door) for door in _PRIVATE_DOORS):
+            continue
+        found = _private_imports(path)
+        if found:
+            leaks[str(path.relative_to(PACKAGE))] = found
+    assert not leaks, f"private imports outside the door: {leaks}"
+
+
+def test_the_door_check_sees_a_private_import(tmp_path):
+    module = tmp_path / "leaky.py"
+    module.write_text(
+        "def f():\n    from tensorflow.python.eager import context\n"
+        "import keras.src.utils as u\n"
+    )
+    assert sorted(_private_imports(module)) == [
+        "keras.src.utils (line 3)",
+        "tensorflow.python.eager (line 2)",
+    ]

@@ -234,3 +234,24 @@ def test_no_strategy_and_stock_strategies_take_stock_paths(restore_patches):
             np.testing.assert_array_equal(a, b)
         assert h == sh
         np.testing.assert_array_equal(e, se)
+
+
+def test_the_doors_names_are_pinned_on_the_installed_release():
+    # Every private module `upstream/` reads is pinned by what it reads,
+    # checked at import as a patch's pins are.
+    from keras_replicator._src import upstream
+
+    (holder,) = [h for h in registry.pin_holders() if h.name == "upstream"]
+    assert {pin.module for pin in holder.pins} == set(upstream.PINS)
+    with pytest.raises(ImportError, match="no_such_attribute"):
+        registry.register_pins(
+            "probe",
+            (
+                registry.Pin(
+                    "tensorflow.python.eager.context",
+                    (),
+                    ("no_such_attribute",),
+                ),
+            ),
+            "never",
+        )

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 from keras.src.backend.tensorflow import distribution_lib as backend_lib
 
-from keras_replicator._src.core import keras_src
+from keras_replicator._src import upstream
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
 
@@ -118,7 +118,7 @@ def test_a_newer_release_warns_when_every_pin_holds():
     holding = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
         ("def test_step(self, data):",),
-        attributes=(f"{keras_src.TF_TRAINER}.test_step",),
+        attributes=(f"{upstream.TF_TRAINER}.test_step",),
     )
     with pytest.warns(versions.UntestedReleaseWarning) as warned:
         registry.check_pins(found, [_patch(pins=(holding,))])
@@ -133,7 +133,7 @@ def test_a_newer_release_is_refused_when_a_pin_fails():
     failing = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
         ("def test_step(self, data):", "no such line"),
-        attributes=(f"{keras_src.TF_TRAINER}._no_such_hook",),
+        attributes=(f"{upstream.TF_TRAINER}._no_such_hook",),
     )
     with pytest.raises(ImportError) as raised:
         registry.check_pins(found, [_patch(pins=(failing,))])
@@ -142,7 +142,7 @@ def test_a_newer_release_is_refused_when_a_pin_fails():
         "Keras 3.17.0 is newer than the supported releases, and patch "
         "'test_versions_missing_hook' pins code "
         "keras.src.backend.tensorflow.trainer no longer has: "
-        f"['no such line', 'attribute {keras_src.TF_TRAINER}._no_such_hook']. "
+        f"['no such line', 'attribute {upstream.TF_TRAINER}._no_such_hook']. "
         "keras-replicator supports tensorflow>=2.19,<2.23"
     )
     assert message.endswith("Received: tensorflow=2.21.0, keras=3.17.0")
@@ -180,7 +180,7 @@ def test_import_of_a_newer_release_lacking_a_private_hook_is_refused():
         import tensorflow as tf
         tf.__version__ = "2.23.0"
         from keras.src.backend.tensorflow import trainer
-        del trainer.{keras_src.TF_TRAINER}.test_step
+        del trainer.{upstream.TF_TRAINER}.test_step
         """
     )
     assert result.returncode != 0
@@ -188,7 +188,7 @@ def test_import_of_a_newer_release_lacking_a_private_hook_is_refused():
     assert last.startswith(
         "ImportError: TensorFlow 2.23.0 is newer than the supported "
         "releases, and patch 'exact_eval' needs `keras.src.backend."
-        f"tensorflow.trainer.{keras_src.TF_TRAINER}.test_step`, which it "
+        f"tensorflow.trainer.{upstream.TF_TRAINER}.test_step`, which it "
         "lacks."
     )
     assert last.endswith(
@@ -218,14 +218,14 @@ def test_import_reports_a_missing_private_hook():
     result = _import_keras_replicator_after(
         f"""
         from keras.src.backend.tensorflow import trainer
-        del trainer.{keras_src.TF_TRAINER}.test_step
+        del trainer.{upstream.TF_TRAINER}.test_step
         """
     )
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(
         "ImportError: Patch 'exact_eval' needs `keras.src.backend."
-        f"tensorflow.trainer.{keras_src.TF_TRAINER}.test_step`, which the "
+        f"tensorflow.trainer.{upstream.TF_TRAINER}.test_step`, which the "
         "installed Keras or TensorFlow lacks."
     )
     assert last.endswith(
@@ -261,12 +261,12 @@ def test_a_missing_pinned_attribute_fails_registration():
     pin = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
         (),
-        attributes=(f"{keras_src.TF_TRAINER}._no_such_hook",),
+        attributes=(f"{upstream.TF_TRAINER}._no_such_hook",),
     )
     with pytest.raises(
         ImportError,
         match="needs `keras.src.backend.tensorflow.trainer."
-        f"{keras_src.TF_TRAINER}._no_such_hook`",
+        f"{upstream.TF_TRAINER}._no_such_hook`",
     ):
         registry.register(_patch(pins=(pin,)))
 
@@ -275,7 +275,7 @@ def test_a_pin_of_other_releases_is_not_checked():
     pin = registry.Pin(
         "keras.src.backend.tensorflow.trainer",
         (),
-        attributes=(f"{keras_src.TF_TRAINER}._no_such_hook",),
+        attributes=(f"{upstream.TF_TRAINER}._no_such_hook",),
         keras="<3.0",
     )
     assert not pin.applies()

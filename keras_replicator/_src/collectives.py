@@ -22,9 +22,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops
-from tensorflow.python.distribute import values as tf_values
-from tensorflow.python.ops import collective_ops
+
+from keras_replicator._src.upstream import collective_ops
+from keras_replicator._src.upstream import cross_device_ops
+from keras_replicator._src.upstream import tf_values
 
 
 def all_reduce(

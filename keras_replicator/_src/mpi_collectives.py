@@ -59,7 +59,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops
+
+from keras_replicator._src.upstream import cross_device_ops
 
 _ALIGN = 64
 # Summed as float32 (MPI has no half-precision sum).

@@ -24,7 +24,7 @@ from keras_replicator._src.core import validation
 from keras_replicator._src.core.types import TensorTree
 
 try:  # Keras 3: true while Keras infers output shapes from symbolic inputs.
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    from keras_replicator._src.upstream import in_symbolic_scope
 except ImportError:  # pragma: no cover - older or newer Keras layouts.
 
     def in_symbolic_scope() -> bool:

@@ -90,7 +90,7 @@ def runtime_started() -> bool:
 
     Asking does not start it, unlike `tf.config.list_logical_devices`.
     """
-    from tensorflow.python.eager import context
+    from keras_replicator._src.upstream import context
 
     # Private, but the only way to ask without starting the runtime.
     return context.context()._context_handle is not None  # noqa: SLF001

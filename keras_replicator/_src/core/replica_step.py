@@ -41,8 +41,9 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.autograph.core import ag_ctx
-from tensorflow.python.autograph.impl import api as autograph
+
+from keras_replicator._src.upstream import ag_ctx
+from keras_replicator._src.upstream import autograph
 
 # The APIs a replica step can come from.
 KERAS = "keras"  # a Keras model's train_step / test_step / predict_step

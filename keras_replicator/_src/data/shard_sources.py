@@ -13,8 +13,8 @@ import tensorflow as tf
 
 # TF's graph rewriter is what `experimental_distribute_dataset` itself uses to
 # shard by file; there is no public op that inserts a shard before the reader.
-from tensorflow.python.data.experimental.ops import (  # noqa: I001
-    distribute as _tfdata_distribute,
+from keras_replicator._src.upstream import (
+    tf_data_distribute as _tfdata_distribute,
 )
 
 FILE = "file"

@@ -23,11 +23,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_replicator._src.core import validation
+
 # Private, but what `create_per_worker_dataset` itself uses to send a
 # coordinator's dataset to the workers; there is no public equivalent.
-from tensorflow.python.distribute.coordinator import values as _ps_values
-
-from keras_replicator._src.core import validation
+from keras_replicator._src.upstream import ps_values as _ps_values
 
 _MODES = ("train", "eval")
 

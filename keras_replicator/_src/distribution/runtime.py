@@ -24,10 +24,6 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from keras.src.distribution import distribution_lib
-from tensorflow.python.data.experimental.ops import (  # noqa: I001
-    distribute as _tf_data_distribute,
-)
 
 from keras_replicator._src.cluster import layout
 from keras_replicator._src.core import placements
@@ -35,6 +31,10 @@ from keras_replicator._src.distribution import processes
 from keras_replicator._src.replicators import local
 from keras_replicator._src.replicators import multi_worker
 from keras_replicator._src.sharding import sharded
+from keras_replicator._src.upstream import distribution_lib
+from keras_replicator._src.upstream import (
+    tf_data_distribute as _tf_data_distribute,
+)
 
 # Distribution -> its replicator. Weak: a distribution dropped by the user
 # lets its replicator go.

@@ -24,6 +24,7 @@ from keras_replicator._src.patches import replica_mean
 from keras_replicator._src.patches import shard_state
 from keras_replicator._src.patches import sharded_variables
 from keras_replicator._src.patches import trainer_loops
+from keras_replicator._src.patches import upstream_pins
 
 __all__ = (
     "atomic_assign",
@@ -46,6 +47,7 @@ __all__ = (
     "shard_state",
     "sharded_variables",
     "trainer_loops",
+    "upstream_pins",
 )
 
 

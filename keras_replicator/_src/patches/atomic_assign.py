@@ -15,7 +15,7 @@ from keras.src.backend.common import variables as common_variables
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute import sharded_variable
 
-from keras_replicator._src.core import keras_src
+from keras_replicator._src import upstream
 from keras_replicator._src.patches import registry
 
 # Variables a ParameterServerStrategy creates (round-robin, one replica per
@@ -50,7 +50,7 @@ PATCH = registry.register(
         # The TF Variable class inherits both methods from the common
         # class; uninstalling removes them from it again.
         targets=tuple(
-            registry.Target(keras_src.tf_core.Variable, name, _atomic(name))
+            registry.Target(upstream.tf_core.Variable, name, _atomic(name))
             for name in ("assign_add", "assign_sub")
         ),
         applies_to=frozenset({"async"}),

@@ -28,7 +28,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.losses import loss as loss_module
 
-from keras_replicator._src.core import keras_src
+from keras_replicator._src import upstream
 from keras_replicator._src.core import markers
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
@@ -56,7 +56,7 @@ def _exact_test_step(original, self, data):
         or sample_weight is None
         or tree.is_nested(sample_weight)
         or type(self).compute_metrics
-        is not keras_src.BaseTrainer.compute_metrics
+        is not upstream.BaseTrainer.compute_metrics
     ):
         return original(self, data)
     if self._call_has_training_arg:
@@ -121,7 +121,7 @@ PATCH = registry.register(
         name="exact_eval",
         targets=(
             registry.Target(
-                keras_src.TensorFlowTrainer, "test_step", _exact_test_step
+                upstream.TensorFlowTrainer, "test_step", _exact_test_step
             ),
         ),
         applies_to=frozenset({"local", "multi_worker", "tpu"}),
@@ -141,7 +141,7 @@ PATCH = registry.register(
                     "return self.compute_metrics(x, y, y_pred, "
                     "sample_weight=sample_weight)",
                 ),
-                attributes=(f"{keras_src.TF_TRAINER}._compute_loss",),
+                attributes=(f"{upstream.TF_TRAINER}._compute_loss",),
             ),
             # The loss tracker's weight: the batch size, from the first
             # input (that is not None, since Keras 3.12).

@@ -63,7 +63,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from tensorflow.python.distribute import values as values_lib
 
-from keras_replicator._src.core import keras_src
+from keras_replicator._src import upstream
 from keras_replicator._src.core import traits
 from keras_replicator._src.patches import registry
 
@@ -155,7 +155,7 @@ PATCH = registry.register(
                 tf_trainer, "reduce_per_replica", _packed_reduce_per_replica
             ),
             registry.Target(
-                keras_src.TensorFlowTrainer,
+                upstream.TensorFlowTrainer,
                 "_maybe_symbolic_build",
                 _maybe_symbolic_build,
             ),
@@ -201,7 +201,7 @@ PATCH = registry.register(
                     "self._compile_loss.built",
                     "self.optimizer is not None and not self.optimizer.built",
                 ),
-                attributes=(f"{keras_src.BASE_TRAINER}._symbolic_build",),
+                attributes=(f"{upstream.BASE_TRAINER}._symbolic_build",),
             ),
         ),
         delete_when=(

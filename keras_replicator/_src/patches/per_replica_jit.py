@@ -80,7 +80,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
-from keras_replicator._src.core import keras_src
+from keras_replicator._src import upstream
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
@@ -400,15 +400,15 @@ PATCH = registry.register(
         name="per_replica_jit",
         targets=(
             registry.Target(
-                keras_src.TensorFlowTrainer, "_make_function", _make_function
+                upstream.TensorFlowTrainer, "_make_function", _make_function
             ),
             registry.Target(
-                keras_src.TensorFlowTrainer,
+                upstream.TensorFlowTrainer,
                 "make_predict_function",
                 _make_predict_function,
             ),
             registry.Target(
-                keras_src.TensorFlowTrainer, "predict_step", _predict_step
+                upstream.TensorFlowTrainer, "predict_step", _predict_step
             ),
         ),
         applies_to=frozenset({"local", "multi_worker"}),
@@ -431,7 +431,7 @@ PATCH = registry.register(
                 ),
                 attributes=(
                     "reduce_per_replica",
-                    f"{keras_src.TF_TRAINER}._autoconvert_optionals",
+                    f"{upstream.TF_TRAINER}._autoconvert_optionals",
                 ),
                 keras=">=3.16.0.dev0",
             ),

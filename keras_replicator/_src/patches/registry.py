@@ -179,6 +179,43 @@ def patches() -> tuple[Patch, ...]:
     return tuple(_patches.values())
 
 
+def register_pins(name: str, pins: tuple[Pin, ...], reason: str) -> Patch:
+    """Pins private code that modules other than the patches read.
+
+    Checked as a patch's pins are (at once, on the installed release, and
+    by `check_pins` on a newer one), for a holder that replaces nothing:
+    `upstream/`'s names (`patches/upstream_pins.py`). Not a patch: it is
+    not among `patches()` and installs nothing.
+
+    Args:
+        name: The holder's name, for errors.
+        pins: Its pins.
+        reason: When the pins can go.
+
+    Returns:
+        The holder, shaped as a patch with no targets.
+    """
+    holder = Patch(
+        name=name,
+        targets=(),
+        applies_to=frozenset(),
+        pins=pins,
+        delete_when=reason,
+    )
+    _check_hooks(holder)
+    with _lock:
+        _pin_holders[name] = holder
+    return holder
+
+
+def pin_holders() -> tuple[Patch, ...]:
+    """Every `register_pins` holder, in registration order."""
+    return tuple(_pin_holders.values())
+
+
+_pin_holders: dict[str, Patch] = {}
+
+
 def for_kind(kind: str) -> tuple[str, ...]:
     """The names of the patches that replicators of `kind` install."""
     return tuple(p.name for p in _patches.values() if kind in p.applies_to)
@@ -281,7 +318,8 @@ def check_pins(
         return
     release = " and ".join(above)
     verb = "is" if len(above) == 1 else "are"
-    for patch in patches() if checked is None else checked:
+    holders = (*patches(), *pin_holders()) if checked is None else checked
+    for patch in holders:
         for pin in patch.pins:
             if not pin.applies():
                 continue

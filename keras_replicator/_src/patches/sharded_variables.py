@@ -55,7 +55,7 @@ from keras.src.optimizers import base_optimizer
 from keras.src.saving import saving_lib
 
 from keras_replicator._src import collectives
-from keras_replicator._src.core import keras_src
+from keras_replicator._src import upstream
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import registry
@@ -384,7 +384,7 @@ def _clip_to(g, l2sum, clip_norm):
     return clipped
 
 
-_Variable = keras_src.tf_core.Variable
+_Variable = upstream.tf_core.Variable
 _Base = base_optimizer.BaseOptimizer
 # Keras 3.10 to 3.14: a variable keeps the `layout` it is created with.
 # TODO: delete when the oldest supported Keras is 3.15.
@@ -460,10 +460,10 @@ PATCH = registry.register(
             ),
             registry.Target(_Variable, "value", _value),
             registry.Target(_Variable, "handle", _handle),
-            registry.Target(keras_src.tf_numpy, "matmul", _matmul),
-            registry.Target(keras_src.tf_numpy, "einsum", _einsum),
-            registry.Target(keras_src.tf_numpy, "transpose", _transpose),
-            registry.Target(keras_src.tf_numpy, "take", _take),
+            registry.Target(upstream.tf_numpy, "matmul", _matmul),
+            registry.Target(upstream.tf_numpy, "einsum", _einsum),
+            registry.Target(upstream.tf_numpy, "transpose", _transpose),
+            registry.Target(upstream.tf_numpy, "take", _take),
             registry.Target(_Variable, "_direct_assign", _direct_assign),
             registry.Target(_Variable, "assign", _assign),
             registry.Target(_Variable, "_shared_name", _shared_name),
@@ -498,7 +498,7 @@ PATCH = registry.register(
                 ("self._h5_entry_group = {}",),
             ),
             registry.Pin(
-                f"{keras_src.TF_OPS}.core",
+                f"{upstream.TF_OPS}.core",
                 (
                     "def _initialize(self, value):",
                     "self._initialize(lambda: initializer(self._shape, "

@@ -39,7 +39,7 @@ import inspect
 import numpy as np
 import tensorflow as tf
 
-from keras_replicator._src.core import keras_src
+from keras_replicator._src import upstream
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
 from keras_replicator._src.layers import global_dropout
@@ -181,7 +181,7 @@ def _dispatch(name):
     return method
 
 
-_Trainer = keras_src.TensorFlowTrainer
+_Trainer = upstream.TensorFlowTrainer
 
 PATCH = registry.register(
     registry.Patch(

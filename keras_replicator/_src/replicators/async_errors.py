@@ -12,10 +12,10 @@ import re
 from collections.abc import Iterator
 
 import tensorflow as tf
-from keras.src.utils.python_utils import pythonify_logs
 
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import startup_watchdog
+from keras_replicator._src.upstream import pythonify_logs
 
 
 class ParameterServerError(RuntimeError):

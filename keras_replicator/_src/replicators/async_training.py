@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
-from keras.src import callbacks as callbacks_module
-from keras.src.utils.python_utils import pythonify_logs
-from tensorflow.python.distribute import sharded_variable
 
 from keras_replicator._src.core import validation
 from keras_replicator._src.replicators import async_data
 from keras_replicator._src.replicators import async_errors
+from keras_replicator._src.upstream import callbacks_module
+from keras_replicator._src.upstream import pythonify_logs
+from keras_replicator._src.upstream import sharded_variable
 
 _FIT_UNSUPPORTED = ("validation_split", "class_weight", "sample_weight")
 

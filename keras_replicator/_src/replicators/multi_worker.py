@@ -8,7 +8,6 @@ import warnings
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
 from keras_replicator._src import collectives
 from keras_replicator._src import mpi_collectives
@@ -21,6 +20,7 @@ from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
 from keras_replicator._src.replicators import base
 from keras_replicator._src.training import hang_watchdog
+from keras_replicator._src.upstream import cars
 
 _Extended = cars.CollectiveAllReduceExtended
 _CPU_REPLICAS_ENV = env.CPU_REPLICAS
@@ -289,7 +289,7 @@ def _check_collectives_configurable(config: cluster_lib.ClusterConfig):
     Raises:
         RuntimeError: Naming the cause and the fix.
     """
-    from tensorflow.python.eager import context
+    from keras_replicator._src.upstream import context
 
     # Configured by an earlier MultiWorkerReplicator here: that one ran
     # before the first op, and later replicators reuse its set-up.
@@ -383,7 +383,7 @@ class _MultiWorkerExtended(_Extended):
 
 def _server_running_for(resolver) -> bool:
     """Whether this process's collective server runs, for this cluster."""
-    from tensorflow.python.eager import context
+    from keras_replicator._src.upstream import context
 
     ctx = context.context()
     running = ctx._collective_ops_server_def  # noqa: SLF001

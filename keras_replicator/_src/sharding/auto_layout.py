@@ -42,7 +42,8 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras.src.backend.common import global_state
+
+from keras_replicator._src.upstream import global_state
 
 DEFAULT_MIN_BYTES = 1 << 20
 

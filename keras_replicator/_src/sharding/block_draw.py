@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from keras.src.initializers import constant_initializers
-from keras.src.initializers import random_initializers
-from tensorflow.python.ops import gen_stateless_random_ops_v2 as gen_random
+
+from keras_replicator._src.upstream import constant_initializers
+from keras_replicator._src.upstream import gen_random
+from keras_replicator._src.upstream import random_initializers
 
 # Exact types: a subclass may transform the draw.
 _DRAWN = frozenset(

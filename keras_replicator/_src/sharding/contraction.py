@@ -69,12 +69,12 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import record
 
 from keras_replicator._src import collectives
 from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
+from keras_replicator._src.upstream import record
 
 # Names the check that fails where a replica's rows have other trailing
 # dimensions than another's (`_Rows`): the error names it.

@@ -33,10 +33,10 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common import remat as keras_remat
 
 from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import contraction
+from keras_replicator._src.upstream import keras_remat
 
 # Marks a layer set up here (instance attribute).
 _ATTR = "_keras_replicator_remat"

@@ -41,9 +41,6 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from keras.src.distribution import distribution_lib
-from tensorflow.python.distribute import mirrored_strategy
-from tensorflow.python.eager import context
 
 from keras_replicator._src import collectives
 from keras_replicator._src import gradients
@@ -51,6 +48,9 @@ from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import auto_layout
 from keras_replicator._src.sharding import block_draw
 from keras_replicator._src.sharding import layout as layout_lib
+from keras_replicator._src.upstream import context
+from keras_replicator._src.upstream import distribution_lib
+from keras_replicator._src.upstream import mirrored_strategy
 
 
 def sharding_strategy(variable: Any, shape) -> tuple[Any, Any, Any]:

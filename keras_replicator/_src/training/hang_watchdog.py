@@ -242,7 +242,7 @@ class _Cluster:
         return cls(f"{config.task_type}:{config.task_index}", tasks)
 
     def publish(self, state: dict) -> None:
-        from tensorflow.python.eager import context
+        from keras_replicator._src.upstream import context
 
         key = _KEY_PREFIX + self.task
         # The store never overwrites: delete, then insert. A reader in
@@ -257,7 +257,7 @@ class _Cluster:
             pass
 
     def read(self) -> dict[str, dict | None]:
-        from tensorflow.python.eager import context
+        from keras_replicator._src.upstream import context
 
         deadline = time.monotonic() + _READ_SECONDS
         states: dict[str, dict | None] = {}
