@@ -296,3 +296,16 @@ def test_the_door_check_sees_a_private_import(tmp_path):
         "keras.src.utils (line 3)",
         "tensorflow.python.eager (line 2)",
     ]
+
+
+def test_each_module_name_appears_once():
+    # Two `layout.py` (processes and tensors), two `preemption.py`: a reader
+    # could not tell which one a name meant.
+    names = {}
+    for _, path in _modules():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(
+                str(path.relative_to(PACKAGE))
+            )
+    twice = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not twice, twice

@@ -30,7 +30,7 @@ import keras
 import pytest
 
 import keras_replicator as kr
-from keras_replicator._src.patches import preemption as preemption_patch
+from keras_replicator._src.patches import backup_and_restore as preemption_patch
 from keras_replicator._src.sharding import checkpoint
 from keras_replicator._src.training import preemption
 from tests.helpers import assert_weights_close

@@ -5,8 +5,8 @@ batches; `replicator.distribute(...)` makes a distributed dataset for
 `model.fit` and `model.evaluate`.
 """
 
-from keras_replicator._src.data.sharding import ShardedInput
-from keras_replicator._src.data.sharding import shard
+from keras_replicator._src.data.dataset_sharder import ShardedInput
+from keras_replicator._src.data.dataset_sharder import shard
 
 __all__ = (
     "ShardedInput",

@@ -205,7 +205,7 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     if note:
         print(note, file=sys.stderr, flush=True)
-    # The one-process advice is the chief worker's (cluster/layout.py):
+    # The one-process advice is the chief worker's (cluster/process_layout.py):
     # only it knows whether the script builds its replicator itself.
     try:
         return launch.launch(

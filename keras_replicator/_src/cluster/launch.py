@@ -476,7 +476,7 @@ _OPEN_MPI_TAG = re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:\s?")
 # A line that names its worker: `[worker 1] ...`.
 _WORKER_PREFIX = re.compile(r"^\[worker (\d+)\] ")
 # What a worker that received the preemption signal itself prints
-# (training/preemption.py's `leave`, from patches/preemption.py).
+# (training/preemption.py's `leave`, from patches/backup_and_restore.py).
 _SIGNALED = re.compile(r"\[keras-replicator\] preempted \((SIG[A-Z0-9]+)\)")
 
 
@@ -528,7 +528,7 @@ def _launch_once(
                 command,
                 {
                     **worker_environ(ports, i, replicas_per_worker),
-                    # Every worker on this host: see cluster/layout.py.
+                    # Every worker on this host: see cluster/process_layout.py.
                     LAUNCHED_ENV: "1",
                 },
             )

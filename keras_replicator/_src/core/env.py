@@ -9,7 +9,8 @@ HOST = "KERAS_REPLICATOR_HOST"
 # TensorFlow's cluster description.
 TF_CONFIG = "TF_CONFIG"
 # "1" in the workers `keras-replicator launch` starts, all on one host: the
-# chief's `MultiWorkerReplicator()` advises one process (cluster/layout.py).
+# chief's `MultiWorkerReplicator()` advises one process
+# (cluster/process_layout.py).
 LAUNCHED = "KERAS_REPLICATOR_LAUNCHED"
 # "0" stops `import keras_replicator` from splitting the CPU into logical
 # devices (core/devices.split_cpu_at_import).

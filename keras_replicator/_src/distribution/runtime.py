@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_replicator._src.cluster import layout
+from keras_replicator._src.cluster import process_layout
 from keras_replicator._src.core import placements
 from keras_replicator._src.distribution import processes
 from keras_replicator._src.replicators import local
@@ -180,5 +180,5 @@ def process_replicator(cluster):
     """The `MultiWorkerReplicator` that joins this process to `cluster`."""
     # Several processes can be the point here (one device per process of a
     # ModelParallel mesh): no one-process advice.
-    with layout.for_keras_distribution():
+    with process_layout.for_keras_distribution():
         return multi_worker.MultiWorkerReplicator(cluster=cluster)

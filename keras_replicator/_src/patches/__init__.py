@@ -6,19 +6,19 @@ replicators install the ones of their kind (`install_for`). See
 """
 
 from keras_replicator._src.patches import atomic_assign
+from keras_replicator._src.patches import backup_and_restore
 from keras_replicator._src.patches import backup_guard
 from keras_replicator._src.patches import batch_statistics
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import chief_saves
 from keras_replicator._src.patches import compiled_updates
 from keras_replicator._src.patches import exact_eval
-from keras_replicator._src.patches import hang_watchdog
 from keras_replicator._src.patches import iterator_teardown
 from keras_replicator._src.patches import keras_compat
 from keras_replicator._src.patches import keras_distribution
+from keras_replicator._src.patches import loop_beats
 from keras_replicator._src.patches import nested_collectives
 from keras_replicator._src.patches import per_replica_jit
-from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
 from keras_replicator._src.patches import replica_mean
 from keras_replicator._src.patches import shard_state
@@ -28,20 +28,20 @@ from keras_replicator._src.patches import upstream_pins
 
 __all__ = (
     "atomic_assign",
+    "backup_and_restore",
     "backup_guard",
     "batch_statistics",
     "chief_only",
     "chief_saves",
     "compiled_updates",
     "exact_eval",
-    "hang_watchdog",
     "install_for",
     "iterator_teardown",
     "keras_compat",
     "keras_distribution",
+    "loop_beats",
     "nested_collectives",
     "per_replica_jit",
-    "preemption",
     "registry",
     "replica_mean",
     "shard_state",

@@ -37,8 +37,8 @@ import os
 
 import keras
 
+from keras_replicator._src.patches import backup_and_restore
 from keras_replicator._src.patches import chief_only
-from keras_replicator._src.patches import preemption
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import checkpoint
 
@@ -50,20 +50,22 @@ _RESTARTS = (
 
 def _on_train_begin(original, self, logs=None):
     target = chief_only.real_backup_dir(self)
-    if preemption.handles(self.model) or "://" in target:
+    if backup_and_restore.handles(self.model) or "://" in target:
         return original(self, logs)
     if not self.model.built:
         return original(self, logs)  # Keras' own error for an unbuilt model.
-    where = preemption.describe_strategy(
+    where = backup_and_restore.describe_strategy(
         getattr(self.model, "_distribute_strategy", None)
     )
-    folder = preemption.sharded_backup(target)
+    folder = backup_and_restore.sharded_backup(target)
     if folder is not None:
         metadata = _load_sharded(self.model, folder, target)
         self.model._initial_epoch = _start_epoch(metadata)
-        preemption.say_restored(folder, metadata, where, _note(metadata))
+        backup_and_restore.say_restored(
+            folder, metadata, where, _note(metadata)
+        )
         return None
-    previous = target + preemption.PREVIOUS_SUFFIX
+    previous = target + backup_and_restore.PREVIOUS_SUFFIX
     source = target
     if not os.path.isdir(target) and os.path.isdir(previous):
         # Killed between the renames of an atomic save: the complete one.
@@ -74,7 +76,9 @@ def _on_train_begin(original, self, logs=None):
     if metadata is not None:
         # Keras' "epoch" is the one in progress, also after its last step.
         self.model._initial_epoch = _start_epoch(metadata)
-        preemption.say_restored(source, metadata, where, _note(metadata))
+        backup_and_restore.say_restored(
+            source, metadata, where, _note(metadata)
+        )
     return None
 
 
@@ -99,12 +103,12 @@ def _whole_metadata(backup) -> dict | None:
         return None
     with open(path) as f:
         metadata = json.load(f)
-    return metadata if preemption.METADATA_KEY in metadata else None
+    return metadata if backup_and_restore.METADATA_KEY in metadata else None
 
 
 def _finished_epoch(metadata: dict) -> bool:
     """Whether the backup was written after the last step of its epoch."""
-    ours = metadata.get(preemption.METADATA_KEY) or {}
+    ours = metadata.get(backup_and_restore.METADATA_KEY) or {}
     done, batches = ours.get("steps_done", 0), ours.get("num_batches")
     return bool(done and batches and done >= batches)
 
@@ -114,7 +118,7 @@ def _start_epoch(metadata: dict) -> int:
 
 
 def _note(metadata: dict) -> str:
-    ours = metadata.get(preemption.METADATA_KEY) or {}
+    ours = metadata.get(backup_and_restore.METADATA_KEY) or {}
     if ours.get("steps_done") and not _finished_epoch(metadata):
         return _RESTARTS
     return ""

@@ -18,7 +18,7 @@ process is not the chief; then it
   directory (`BackupAndRestore` first restores from the real backup, which
   the chief wrote, then writes to the temporary one; a model with sharded
   variables backs up into the real one from every process, each writing
-  its blocks: `real_backup_dir`, `patches/preemption.py`);
+  its blocks: `real_backup_dir`, `patches/backup_and_restore.py`);
 - drops the progress bar;
 - at the end of fit/evaluate/predict restores the callbacks' paths and
   deletes the temporary directory.

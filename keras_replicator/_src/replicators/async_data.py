@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from keras_replicator._src.data import sharding
+from keras_replicator._src.data import dataset_sharder
 from keras_replicator._src.data import worker_shards
 
 # Keras' default batch size for arrays.
@@ -49,7 +49,7 @@ class Source:
                 "Received: x=None"
             )
         self.dataset = self.input_fn = self.arrays = self.examples = None
-        if isinstance(x, sharding.ShardedInput):
+        if isinstance(x, dataset_sharder.ShardedInput):
             # `kr.data.shard(...)`: the same examples and options, with the
             # parameter-server meaning of the batch (worker_shards.py).
             x = worker_shards.WorkerShardedInput.from_sharded_input(x)

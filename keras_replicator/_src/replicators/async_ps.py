@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import launch
 from keras_replicator._src.core import validation
-from keras_replicator._src.data import sharding
+from keras_replicator._src.data import dataset_sharder
 from keras_replicator._src.data import worker_shards
 from keras_replicator._src.replicators import async_training
 from keras_replicator._src.replicators import base
@@ -212,7 +212,7 @@ class AsyncReplicator(
         shuffle_seed: int | None = None,
         static_shapes: bool | None = None,
         mode: str = "train",
-        shuffle_buffer_size: int = sharding.DEFAULT_SHUFFLE_BUFFER_SIZE,
+        shuffle_buffer_size: int = dataset_sharder.DEFAULT_SHUFFLE_BUFFER_SIZE,
     ) -> worker_shards.WorkerShardedInput:
         """Shards, shuffles and batches unbatched examples over the workers.
 
@@ -295,7 +295,7 @@ class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
         self.reduce = reduce
         self.steps_per_call = steps_per_call
         self._step_fn = step_fn
-        if isinstance(input_fn, sharding.ShardedInput):
+        if isinstance(input_fn, dataset_sharder.ShardedInput):
             input_fn = worker_shards.WorkerShardedInput.from_sharded_input(
                 input_fn
             )

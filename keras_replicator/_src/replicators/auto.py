@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from keras_replicator._src.cluster import config as cluster_lib
-from keras_replicator._src.cluster import layout
+from keras_replicator._src.cluster import process_layout
 from keras_replicator._src.core import devices as devices_lib
 
 if TYPE_CHECKING:
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 _ONE_PROCESS = (
     "one process with every replica, not a worker process per replica: "
     "replicas in one process all-reduce in memory, worker processes over "
-    "gRPC (" + layout.MEASURED + ")"
+    "gRPC (" + process_layout.MEASURED + ")"
 )
 
 

@@ -16,7 +16,7 @@ from keras_replicator._src import patches
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.core import traits
 from keras_replicator._src.core import validation
-from keras_replicator._src.data import sharding
+from keras_replicator._src.data import dataset_sharder
 from keras_replicator._src.patches import iterator_teardown
 from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import optimizer as optimizer_lib
@@ -270,7 +270,7 @@ class ReplicatorMixin:
             A distributed dataset for `model.fit`, `model.evaluate` and
             custom loops; in eval mode every example counts exactly once.
         """
-        return sharding.distribute(
+        return dataset_sharder.distribute(
             self, dataset_or_input_fn, global_batch_size, **options
         )
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras_replicator._src import collectives
 from keras_replicator._src import mpi_collectives
 from keras_replicator._src.cluster import config as cluster_lib
-from keras_replicator._src.cluster import layout
+from keras_replicator._src.cluster import process_layout
 from keras_replicator._src.cluster import startup_watchdog
 from keras_replicator._src.cluster import transport as transport_lib
 from keras_replicator._src.core import devices as devices_lib
@@ -167,7 +167,7 @@ class MultiWorkerReplicator(
         # Skip MultiWorkerMirroredStrategy.__init__: it builds its own
         # extended object, which can only place one replica per CPU worker.
         tf.distribute.Strategy.__init__(self, extended)
-        layout.advise_once(config, device_type, count)
+        process_layout.advise_once(config, device_type, count)
         _say_transport_once(config, self._transport)
         if not config.is_chief:
             _chief_says_upstream_warnings()

@@ -8,7 +8,7 @@ flag. At a train batch end the workers agree on it, the same step on every
 worker; then the `BackupAndRestore` callbacks of the fit write their backup
 at that step and every process exits with `EXIT_CODE` (75, `EX_TEMPFAIL`:
 "try again"). The next start of the same command resumes at that step
-(`patches/preemption.py`).
+(`patches/backup_and_restore.py`).
 
 Agreeing costs one collective, so multi-worker fit does not ask every step:
 one all-reduce of two numbers, the flag and each worker's estimate of how

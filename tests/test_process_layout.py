@@ -13,7 +13,7 @@ import pytest
 
 from keras_replicator._src.cli import main as cli
 from keras_replicator._src.cluster import config as cluster_lib
-from keras_replicator._src.cluster import layout
+from keras_replicator._src.cluster import process_layout
 from keras_replicator._src.core import env
 from tests.multi_worker import harness
 
@@ -21,7 +21,9 @@ ADVICE = "keras-replicator: 2 worker processes on this host"
 
 
 def test_the_advice_is_one_line_with_the_one_process_command():
-    advice = layout.one_process_advice(4, 1, "CPU", ["train.py", "--epochs=3"])
+    advice = process_layout.one_process_advice(
+        4, 1, "CPU", ["train.py", "--epochs=3"]
+    )
     assert advice.startswith("keras-replicator: 4 worker processes on this")
     assert "one process with all 4 replicas is faster" in advice
     assert advice.endswith(
@@ -32,13 +34,13 @@ def test_the_advice_is_one_line_with_the_one_process_command():
 
 
 def test_the_advice_counts_every_replica_and_quotes_the_command():
-    advice = layout.one_process_advice(2, 3, "CPU", ["my train.py"])
+    advice = process_layout.one_process_advice(2, 3, "CPU", ["my train.py"])
     assert "all 6 replicas" in advice
     assert advice.endswith(
         "KERAS_REPLICATOR_CPU_REPLICAS=6 python 'my train.py'"
     )
     # GPUs: one process takes every GPU it sees, no variable needed.
-    advice = layout.one_process_advice(2, 1, "GPU", ["train.py"])
+    advice = process_layout.one_process_advice(2, 1, "GPU", ["train.py"])
     assert advice.endswith("run: python train.py")
 
 
@@ -48,17 +50,17 @@ def _config(index, workers=2):
 
 
 def test_the_advice_only_on_the_chief_of_a_launch_once(monkeypatch, capsys):
-    monkeypatch.setattr(layout, "_advised", False)
+    monkeypatch.setattr(process_layout, "_advised", False)
     monkeypatch.delenv(env.LAUNCHED, raising=False)
-    layout.advise_once(_config(0), "CPU", 1)  # not started by launch
+    process_layout.advise_once(_config(0), "CPU", 1)  # not started by launch
     monkeypatch.setenv(env.LAUNCHED, "1")
-    layout.advise_once(_config(1), "CPU", 1)  # not the chief
-    layout.advise_once(_config(0, workers=1), "CPU", 2)  # one process
-    with layout.for_keras_distribution():
-        layout.advise_once(_config(0), "CPU", 1)  # Keras' replicator
+    process_layout.advise_once(_config(1), "CPU", 1)  # not the chief
+    process_layout.advise_once(_config(0, workers=1), "CPU", 2)  # one process
+    with process_layout.for_keras_distribution():
+        process_layout.advise_once(_config(0), "CPU", 1)  # Keras' replicator
     assert capsys.readouterr() == ("", "")
-    layout.advise_once(_config(0), "CPU", 1)
-    layout.advise_once(_config(0), "CPU", 1)  # built again: said once
+    process_layout.advise_once(_config(0), "CPU", 1)
+    process_layout.advise_once(_config(0), "CPU", 1)  # built again: said once
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and err.startswith(ADVICE), err
