@@ -30,9 +30,11 @@ import keras
 import pytest
 
 import keras_replicator as kr
-from keras_replicator._src.patches import backup_and_restore as preemption_patch
 from keras_replicator._src.sharding import checkpoint
+from keras_replicator._src.sharding import checkpoint_commit
+from keras_replicator._src.sharding import checkpoint_files
 from keras_replicator._src.training import preemption
+from keras_replicator._src.training import resumption
 from tests.helpers import assert_weights_close
 from tests.multi_worker import distribution_reference as reference
 from tests.multi_worker import preempt_reference as ref
@@ -40,7 +42,7 @@ from tests.multi_worker import preempt_reference as ref
 pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data")
 
 SAVERS = ("model_parallel", "data_parallel", "replicator", "one_device")
-PREVIOUS = preemption_patch.PREVIOUS_SUFFIX
+PREVIOUS = resumption.PREVIOUS_SUFFIX
 
 
 @pytest.fixture(autouse=True)
@@ -237,13 +239,13 @@ def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
     kind, one_device, tmp_path, monkeypatch, caplog
 ):
     committed = []
-    commit = checkpoint._commit
+    commit = checkpoint_commit.commit
 
     def recording(directory, name, *args, **kwargs):
         committed.append(name)
         return commit(directory, name, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "_commit", recording)
+    monkeypatch.setattr(checkpoint_commit, "commit", recording)
     abandoned = []
     abandon = checkpoint.CheckpointSave._abandon
 
@@ -253,7 +255,9 @@ def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
 
     monkeypatch.setattr(checkpoint.CheckpointSave, "_abandon", counted_abandon)
     # Every writer starts late: the fit ends while the last save waits.
-    monkeypatch.setattr(checkpoint, "_yield_to_training", lambda: time.sleep(1))
+    monkeypatch.setattr(
+        checkpoint_commit, "yield_to_training", lambda: time.sleep(1)
+    )
     if kind == "own_end":
         monkeypatch.setattr(keras.callbacks, "BackupAndRestore", _OwnEnd)
     begun = []
@@ -291,7 +295,7 @@ def test_a_sharded_backup_in_flight_at_the_end_is_finished_only_if_kept(
     assert abandoned == (expected[1:] if kind == "stopped" else [])
     assert backup.exists() == (kind == "kept")
     if kind == "kept":
-        index = checkpoint._read_index(backup / "sharded")
+        index = checkpoint_files.read_index(backup / "sharded")
         assert index["checkpoint"] == f"ckpt-{2 * steps}"
     assert "was not written" not in caplog.text
 

@@ -27,7 +27,8 @@ import pytest
 import tensorflow as tf
 
 import keras_replicator as kr
-from keras_replicator._src.sharding import checkpoint
+from keras_replicator._src.sharding import checkpoint_commit
+from keras_replicator._src.sharding import checkpoint_files
 from keras_replicator._src.sharding import sharded
 from tests import helpers
 
@@ -235,7 +236,7 @@ def test_a_save_that_fails_leaves_the_previous_checkpoint(
     def crash(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "_commit", crash)
+    monkeypatch.setattr(checkpoint_commit, "commit", crash)
     handle = kr.save_checkpoint(saved, tmp_path / "ckpt")
     with pytest.raises(OSError, match="disk full"):
         handle.wait()
@@ -264,7 +265,7 @@ def test_a_save_returns_before_its_files_are_written(
     model = _model(jit_compile=jit_compile)
     _fit(model)
     release = threading.Event()
-    original = checkpoint._write_part
+    original = checkpoint_files.write_part
 
     niceness = []
 
@@ -275,7 +276,7 @@ def test_a_save_returns_before_its_files_are_written(
         assert release.wait(60)
         original(*args)
 
-    monkeypatch.setattr(checkpoint, "_write_part", slow)
+    monkeypatch.setattr(checkpoint_files, "write_part", slow)
     handle = kr.save_checkpoint(model, tmp_path / "ckpt")
     # The blocks are snapshots that share the variables' buffers (no
     # copy): training on, compiled by XLA or not, must not change them.
@@ -309,19 +310,19 @@ def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
         reached.set()
         assert go.wait(60)
 
-    write = checkpoint._DirectFile.write
+    write = checkpoint_files.DirectFile.write
 
     def counted_write(self, raw):
         if go.is_set():
             after_stop.append("write")
         write(self, raw)
 
-    monkeypatch.setattr(checkpoint._DirectFile, "write", counted_write)
+    monkeypatch.setattr(checkpoint_files.DirectFile, "write", counted_write)
     if where == "before":
-        monkeypatch.setattr(checkpoint, "_yield_to_training", pause)
+        monkeypatch.setattr(checkpoint_commit, "yield_to_training", pause)
     elif where == "flush":
-        monkeypatch.setattr(checkpoint._DirectFile, "_STAGING", 64)
-        flush = checkpoint._DirectFile._flush
+        monkeypatch.setattr(checkpoint_files.DirectFile, "_STAGING", 64)
+        flush = checkpoint_files.DirectFile._flush
 
         def flush_then_pause(self, length):
             if go.is_set():
@@ -330,10 +331,12 @@ def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
             if not go.is_set():
                 pause()
 
-        monkeypatch.setattr(checkpoint._DirectFile, "_flush", flush_then_pause)
+        monkeypatch.setattr(
+            checkpoint_files.DirectFile, "_flush", flush_then_pause
+        )
     else:
-        monkeypatch.setattr(checkpoint, "_CRC_CHUNK", 64)
-        crc32 = checkpoint.zlib.crc32
+        monkeypatch.setattr(checkpoint_files, "_CRC_CHUNK", 64)
+        crc32 = checkpoint_files.zlib.crc32
 
         def pause_then_crc(data, value):
             if go.is_set():
@@ -342,7 +345,7 @@ def test_an_abandoned_save_stops_and_leaves_the_previous_checkpoint(
                 pause()
             return crc32(data, value)
 
-        monkeypatch.setattr(checkpoint.zlib, "crc32", pause_then_crc)
+        monkeypatch.setattr(checkpoint_files.zlib, "crc32", pause_then_crc)
     handle = kr.save_checkpoint(saved, tmp_path / "ckpt")
     assert reached.wait(60)
     handle._stop.set()
@@ -388,7 +391,7 @@ def test_block_files_hold_the_exact_bytes(tmp_path, monkeypatch, refuse):
     refuses its writes (EINVAL): the file is then written through the
     page cache, with the same bytes.
     """
-    monkeypatch.setattr(checkpoint._DirectFile, "_STAGING", 3 * 4096)
+    monkeypatch.setattr(checkpoint_files.DirectFile, "_STAGING", 3 * 4096)
     if refuse:
         real = os.pwritev
         refused = []
@@ -411,7 +414,7 @@ def test_block_files_hold_the_exact_bytes(tmp_path, monkeypatch, refuse):
         f"model/{i}": ({"path": f"v{i}"}, [([0] * np.ndim(b), b)])
         for i, b in enumerate(blocks)
     }
-    checkpoint._write_part(tmp_path, 0, parts)
+    checkpoint_files.write_part(tmp_path, 0, parts)
     # Each snapshot is let go once written (its variable then updates in
     # place, without a copy).
     assert [a for _, b in parts.values() for _, a in b] == [None] * 4
@@ -422,7 +425,7 @@ def test_block_files_hold_the_exact_bytes(tmp_path, monkeypatch, refuse):
     offsets = [manifest[f"model/{i}"]["blocks"][0]["offset"] for i in range(4)]
     assert offsets == [0, 31228, 31228, 31238]
     crcs = [manifest[f"model/{i}"]["blocks"][0]["crc32"] for i in range(4)]
-    assert crcs == [checkpoint._checksum(b) for b in blocks]
+    assert crcs == [checkpoint_files.checksum(b) for b in blocks]
     if refuse:
         assert refused == [0]
 
@@ -503,13 +506,13 @@ with open(directory + ".first.json", "w") as f:
 model.fit(x, y, batch_size=8, verbose=0)
 # The second save writes its part, then stalls before its commit: the kill
 # always lands mid-save, however fast the disk.
-from keras_replicator._src.sharding import checkpoint
-write_part = checkpoint._write_part
+from keras_replicator._src.sharding import checkpoint_files
+write_part = checkpoint_files.write_part
 def write_part_then_stall(*args, **kwargs):
     write_part(*args, **kwargs)
     print("written", flush=True)
     time.sleep(600)
-checkpoint._write_part = write_part_then_stall
+checkpoint_files.write_part = write_part_then_stall
 print("saving", flush=True)
 kr.save_checkpoint(model, directory)  # in the background
 time.sleep(600)

@@ -189,7 +189,7 @@ SLOW_PEER = """
 import os, sys, time
 import keras, numpy as np
 import keras_replicator as kr
-from keras_replicator._src.sharding import checkpoint
+from keras_replicator._src.sharding import checkpoint_files
 from tests.multi_worker import harness
 
 out = sys.argv[1]
@@ -206,13 +206,13 @@ model.compile("adam", "mse")
 index = int(os.environ["TF_CONFIG"].split('"index": ')[1][0])
 if index == 1:
     # This process's disk is slow: its part takes 6 s to write.
-    write_part = checkpoint._write_part
+    write_part = checkpoint_files.write_part
 
     def slow(*args):
         time.sleep(6)
         write_part(*args)
 
-    checkpoint._write_part = slow
+    checkpoint_files.write_part = slow
 handle = kr.save_checkpoint(model, os.path.join(out, "ckpt"))
 # Meanwhile this process's own work goes on: the longest pause between
 # two 10 ms sleeps, while the other process is still writing.

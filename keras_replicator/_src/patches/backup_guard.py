@@ -37,10 +37,10 @@ import os
 
 import keras
 
-from keras_replicator._src.patches import backup_and_restore
 from keras_replicator._src.patches import chief_only
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import checkpoint
+from keras_replicator._src.training import resumption
 
 _RESTARTS = (
     "; this epoch starts again at its first batch (only a keras.distribution "
@@ -50,22 +50,20 @@ _RESTARTS = (
 
 def _on_train_begin(original, self, logs=None):
     target = chief_only.real_backup_dir(self)
-    if backup_and_restore.handles(self.model) or "://" in target:
+    if resumption.handles(self.model) or "://" in target:
         return original(self, logs)
     if not self.model.built:
         return original(self, logs)  # Keras' own error for an unbuilt model.
-    where = backup_and_restore.describe_strategy(
+    where = resumption.describe_strategy(
         getattr(self.model, "_distribute_strategy", None)
     )
-    folder = backup_and_restore.sharded_backup(target)
+    folder = resumption.sharded_backup(target)
     if folder is not None:
         metadata = _load_sharded(self.model, folder, target)
         self.model._initial_epoch = _start_epoch(metadata)
-        backup_and_restore.say_restored(
-            folder, metadata, where, _note(metadata)
-        )
+        resumption.say_restored(folder, metadata, where, _note(metadata))
         return None
-    previous = target + backup_and_restore.PREVIOUS_SUFFIX
+    previous = target + resumption.PREVIOUS_SUFFIX
     source = target
     if not os.path.isdir(target) and os.path.isdir(previous):
         # Killed between the renames of an atomic save: the complete one.
@@ -76,9 +74,7 @@ def _on_train_begin(original, self, logs=None):
     if metadata is not None:
         # Keras' "epoch" is the one in progress, also after its last step.
         self.model._initial_epoch = _start_epoch(metadata)
-        backup_and_restore.say_restored(
-            source, metadata, where, _note(metadata)
-        )
+        resumption.say_restored(source, metadata, where, _note(metadata))
     return None
 
 
@@ -103,12 +99,12 @@ def _whole_metadata(backup) -> dict | None:
         return None
     with open(path) as f:
         metadata = json.load(f)
-    return metadata if backup_and_restore.METADATA_KEY in metadata else None
+    return metadata if resumption.METADATA_KEY in metadata else None
 
 
 def _finished_epoch(metadata: dict) -> bool:
     """Whether the backup was written after the last step of its epoch."""
-    ours = metadata.get(backup_and_restore.METADATA_KEY) or {}
+    ours = metadata.get(resumption.METADATA_KEY) or {}
     done, batches = ours.get("steps_done", 0), ours.get("num_batches")
     return bool(done and batches and done >= batches)
 
@@ -118,7 +114,7 @@ def _start_epoch(metadata: dict) -> int:
 
 
 def _note(metadata: dict) -> str:
-    ours = metadata.get(backup_and_restore.METADATA_KEY) or {}
+    ours = metadata.get(resumption.METADATA_KEY) or {}
     if ours.get("steps_done") and not _finished_epoch(metadata):
         return _RESTARTS
     return ""

@@ -43,7 +43,6 @@ from keras_replicator._src import upstream
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
 from keras_replicator._src.layers import global_dropout
-from keras_replicator._src.patches import backup_and_restore
 from keras_replicator._src.patches import exact_eval
 from keras_replicator._src.patches import registry
 from keras_replicator._src.sharding import contraction
@@ -51,6 +50,7 @@ from keras_replicator._src.sharding import remat
 from keras_replicator._src.sharding import report
 from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import preemption as resume
+from keras_replicator._src.training import resumption
 
 
 def _loops(model):
@@ -169,9 +169,9 @@ def _dispatch(name):
         if name == "fit":
             _batch_statistics(self, strategy)
             bar = resume.progress_bar(arguments().get("verbose"))
-            with backup_and_restore.fit_scope(self), hint, bar:
+            with resumption.fit_scope(self), hint, bar:
                 with hang_watchdog.watching(
-                    strategy, name, backup_and_restore.position(self)
+                    strategy, name, resumption.position(self)
                 ):
                     return original(self, *args, **kwargs)
         with hang_watchdog.watching(strategy, name), hint:

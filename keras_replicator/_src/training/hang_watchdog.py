@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import json
 import math
 import os
 import signal
@@ -81,6 +80,7 @@ from typing import Any
 from keras_replicator._src.core import env
 from keras_replicator._src.core import traits
 from keras_replicator._src.training import hang_backstop
+from keras_replicator._src.training import hang_peers
 from keras_replicator._src.training import preemption
 
 # sysexits.h EX_PROTOCOL, next to preemption's 75 (EX_TEMPFAIL): "start
@@ -95,8 +95,6 @@ _WARN_FLOOR_SECONDS = 60.0
 _WARN_SLOWEST_FACTOR = 10.0
 # How long a warning waits for other workers to publish their step.
 _SETTLE_SECONDS = 5.0
-# Bound on all reads of the other workers' states at one check.
-_READ_SECONDS = 3.0
 # A notebook loop still stuck this long after its interrupt is stuck
 # inside TensorFlow, which no Python exception can reach.
 _INTERRUPT_NOTE_SECONDS = 30.0
@@ -109,7 +107,6 @@ _RESEND_SECONDS = 5.0
 # bounded at this many timeouts: a save can wait forever in a collective
 # for a stuck worker, and the stuck one must not wait for that save.
 UNTIMED_FACTOR = 5
-_KEY_PREFIX = "keras_replicator/watchdog/"
 # The backstop fires this much after the thread would have: at least the
 # floor, or this fraction of the timeout.
 _BACKSTOP_FLOOR_SECONDS = 10.0
@@ -220,68 +217,6 @@ class _Frame:
     def at_step(self) -> str:
         """`" step 51"`, or nothing outside a loop."""
         return "" if self.stepless else f" step {self.steps + 1}"
-
-
-class _Cluster:
-    """This worker's and the others' states in the coordination service."""
-
-    def __init__(self, task: str, tasks: list[str]):
-        self.task = task
-        self.peers = [t for t in tasks if t != task]
-
-    @classmethod
-    def of(cls, strategy: Any) -> _Cluster | None:
-        config = getattr(strategy, "cluster_config", None)
-        if config is None or getattr(strategy, "num_workers", 1) < 2:
-            return None
-        tasks = [
-            f"{job}:{i}"
-            for job in ("chief", "worker")
-            for i in range(len(config.cluster.get(job, ())))
-        ]
-        return cls(f"{config.task_type}:{config.task_index}", tasks)
-
-    def publish(self, state: dict) -> None:
-        from keras_replicator._src.upstream import context
-
-        key = _KEY_PREFIX + self.task
-        # The store never overwrites: delete, then insert. A reader in
-        # between waits for the insert.
-        try:
-            context.context().delete_config_key_value(key)
-        except Exception:  # noqa: BLE001 - no key yet, or no service
-            pass
-        try:
-            context.context().set_config_key_value(key, json.dumps(state))
-        except Exception:  # noqa: BLE001 - reported as "no report"
-            pass
-
-    def read(self) -> dict[str, dict | None]:
-        from keras_replicator._src.upstream import context
-
-        deadline = time.monotonic() + _READ_SECONDS
-        states: dict[str, dict | None] = {}
-        for peer in self.peers:
-            # 0 would mean "wait forever".
-            left = int((deadline - time.monotonic()) * 1000)
-            states[peer] = None
-            if left < 1:
-                continue
-            try:
-                text = context.context().get_config_key_value(
-                    _KEY_PREFIX + peer, timeout_in_ms=left
-                )
-                states[peer] = json.loads(text)
-            except Exception:  # noqa: BLE001 - not published, or no service
-                pass
-        return states
-
-
-def _task_of(strategy: Any) -> str:
-    config = getattr(strategy, "cluster_config", None)
-    if config is not None:
-        return f"{config.task_type}:{config.task_index}"
-    return f"local (pid {os.getpid()})"
 
 
 class _Watchdog:
@@ -410,7 +345,7 @@ class _Watchdog:
         if frame.cluster is not None:
             frame.cluster.publish(self._state(frame))
             peers = frame.cluster.read()
-            since = _peer_progress(peers, idle, untimed)
+            since = hang_peers.peer_progress(peers, idle, untimed)
             if since is not None:
                 # Another worker saves, or saved since this one's last
                 # step: it is what this one waits for.
@@ -420,7 +355,9 @@ class _Watchdog:
         if idle >= frame.seconds:
             self._fire(frame, idle, peers)
         elif not frame.warned:
-            stale = [p for p, s in peers.items() if not _fresh(s, idle)]
+            stale = [
+                p for p, s in peers.items() if not hang_peers.fresh(s, idle)
+            ]
             if stale and idle < warn_after + _SETTLE_SECONDS:
                 return  # They publish at their own warning; wait a little.
             frame.warned = True
@@ -432,7 +369,7 @@ class _Watchdog:
             _print(
                 f"{HEADER} task {frame.task}: no progress for {idle:.0f} s "
                 f"in {frame.position()}{slowest}."
-                f"{_steps_text(frame, peers, idle)} "
+                f"{hang_peers.steps_text(frame, peers, idle)} "
                 f"Without progress this process ends in "
                 f"{frame.seconds - idle:.0f} s ({env.HANG_SECONDS}="
                 f"{frame.seconds:g}) and prints every thread's stack."
@@ -480,8 +417,9 @@ class _Watchdog:
             f"{HEADER} task {frame.task}{frame.at_step()}: no "
             f"progress for {idle:.0f} s in {frame.position(step=False)}"
             f"{where} ({env.HANG_SECONDS}={frame.seconds:g}); this process "
-            f"is stuck.{_steps_text(frame, peers, idle)} Every thread's "
-            "Python stack follows (the loop's thread is where it waits)."
+            f"is stuck.{hang_peers.steps_text(frame, peers, idle)} Every "
+            "thread's Python stack follows (the loop's thread is where it "
+            "waits)."
         )
         _dump_stacks()
         if in_session:
@@ -575,60 +513,6 @@ def warn_seconds(seconds: float, slowest: float) -> float:
         seconds / 2,
         max(_WARN_FLOOR_SECONDS, _WARN_SLOWEST_FACTOR * slowest),
     )
-
-
-def _fresh(state: dict | None, idle: float) -> bool:
-    """Whether `state` was published since this worker's stall began."""
-    return bool(state) and state.get("time", 0) >= time.time() - idle
-
-
-def _peer_progress(peers, idle: float, untimed: float) -> float | None:
-    """Seconds since another worker last was in a save, if within `idle`.
-
-    A save that has lasted `untimed` seconds no longer counts: it may wait
-    for this very worker.
-    """
-    now = time.time()
-    since = None
-    for state in peers.values():
-        if not state:
-            continue
-        if state.get("paused"):
-            if now - state.get("paused_since", now) < untimed:
-                return 0.0
-            continue
-        ago = now - state.get("resumed", 0)
-        if ago < idle and (since is None or ago < since):
-            since = ago
-    return since
-
-
-def _steps_text(frame: _Frame, peers, idle: float) -> str:
-    if not peers:
-        return ""
-    steps = {frame.task: frame.steps + 1}
-    missing = []
-    for task, state in peers.items():
-        if _fresh(state, idle):
-            steps[task] = int(state["step"])
-        else:
-            missing.append(task)
-    if frame.stepless:
-        # Outside a loop there are no steps to compare.
-        return f" No report from: {', '.join(missing)}." if missing else ""
-    lowest = min(steps.values())
-    behind = max(steps.values()) > lowest
-    parts = [
-        f"{task} {step}" + (" (behind)" if behind and step == lowest else "")
-        for task, step in sorted(steps.items())
-    ]
-    text = " Steps the workers are at: " + ", ".join(parts) + "."
-    if behind:
-        late = ", ".join(t for t, s in sorted(steps.items()) if s == lowest)
-        text += f" Workers that have not finished step {lowest}: {late}."
-    if missing:
-        text += f" No report from: {', '.join(missing)}."
-    return text
 
 
 def _print(line: str) -> None:
@@ -743,8 +627,8 @@ class watching:  # noqa: N801 - used as a function, like contextlib's
         self._frame = _Frame(
             kind,
             resolve_seconds(getattr(strategy, "hang_seconds", None)),
-            _task_of(strategy),
-            _Cluster.of(strategy),
+            hang_peers.task_of(strategy),
+            hang_peers.Cluster.of(strategy),
             where,
         )
 
@@ -774,7 +658,10 @@ class StepWatch:
         if traits.is_in_graph(strategy):
             seconds = resolve_seconds(getattr(strategy, "hang_seconds", None))
         self._frame = _Frame(
-            "replicate", seconds, _task_of(strategy), _Cluster.of(strategy)
+            "replicate",
+            seconds,
+            hang_peers.task_of(strategy),
+            hang_peers.Cluster.of(strategy),
         )
 
     def __enter__(self):
@@ -824,8 +711,8 @@ class CollectiveWatch:
         frame = _Frame(
             self._what,
             resolve_seconds(getattr(strategy, "hang_seconds", None)),
-            _task_of(strategy),
-            _Cluster.of(strategy),
+            hang_peers.task_of(strategy),
+            hang_peers.Cluster.of(strategy),
         )
         frame.stepless = True
         frame.armed = True

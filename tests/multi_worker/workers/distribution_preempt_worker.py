@@ -43,12 +43,12 @@ def _at_step(step):
 
 
 if os.environ.get("PREEMPT_REFIT"):
-    from keras_replicator._src.sharding import checkpoint
+    from keras_replicator._src.sharding import checkpoint_commit
 
     # Every writer starts late: each fit usually ends with a backup in
     # flight (the one before the last, which is not made), which every
     # process then abandons together.
-    checkpoint._yield_to_training = lambda: time.sleep(1)
+    checkpoint_commit.yield_to_training = lambda: time.sleep(1)
 if os.environ.get("PREEMPT_REFIT") and harness.task_index() == 0:
     from keras.src.utils import file_utils
 
