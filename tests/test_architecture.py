@@ -309,3 +309,16 @@ def test_each_module_name_appears_once():
             )
     twice = {name: paths for name, paths in names.items() if len(paths) > 1}
     assert not twice, twice
+
+
+# A module a reader can hold: split one that grows past this by concern.
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_longer_than_a_reader_can_hold():
+    lengths = {
+        str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
+        for _, path in _modules()
+    }
+    long = {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES}
+    assert not long, long

@@ -27,6 +27,13 @@ def one_device():
 
 
 @pytest.fixture(scope="module")
+def stock():
+    """Stock MirroredStrategy on the same devices: per-replica statistics."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return keras_io_convnet.train(strategy.scope())
+
+
+@pytest.fixture(scope="module")
 def zero_gradients():
     return keras_io_convnet.zero_gradient_weights()
 
@@ -43,21 +50,19 @@ def test_the_zero_gradient_weights_are_the_biases_before_a_norm(
 
 
 def test_keras_io_convnet_on_two_replicas_is_one_devices(
-    one_device, zero_gradients
+    one_device, zero_gradients, stock
 ):
     history, weights = keras_io_convnet.train(kr.LocalReplicator(2).scope())
     assert_one_devices(history, weights, one_device, zero_gradients)
     # Stock MirroredStrategy, same devices: per-replica statistics.
-    stock = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    _, stock_weights = keras_io_convnet.train(stock.scope())
+    _, stock_weights = stock
     assert _far(stock_weights, one_device) > 1e-3
 
 
-def test_sync_batch_norm_false_keeps_per_replica_statistics(one_device):
+def test_sync_batch_norm_false_keeps_per_replica_statistics(one_device, stock):
     replicator = kr.LocalReplicator(2, sync_batch_norm=False)
     history, weights = keras_io_convnet.train(replicator.scope())
-    stock = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    stock_history, stock_weights = keras_io_convnet.train(stock.scope())
+    stock_history, stock_weights = stock
     np.testing.assert_allclose(history["loss"], stock_history["loss"], 1e-5)
     for a, b in zip(weights, stock_weights, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
