@@ -23,7 +23,6 @@ from keras import ops
 
 import keras_replicator as kr
 from keras_replicator._src.core import placements
-from keras_replicator._src.core import versions
 from keras_replicator._src.sharding import contraction
 from tests import helpers
 
@@ -34,10 +33,14 @@ from tests import helpers
 # an EinsumDense's last-bit differences grow to 2.6e-5 of the weights here
 # (DataParallel: 9e-7; float64 still 1e-10; the 4 x Dense(2048) model of
 # `benchmarks/memory.py`: 2.3e-6 on both).
-TOL = {
-    "float32": 5e-5 if versions.matches("tensorflow", "<2.20") else 2e-5,
-    "float64": 1e-10,
-}
+# float32: after Adam's steps, an element whose gradient is near Adam's
+# epsilon turns the gradients' last-bit differences (each device sums its
+# 1/N of the batch, then the blocks are summed across devices) into a
+# visible step. How large depends on the CPU's kernels: within 2e-5 of
+# the largest weight on the Intel Xeon VMs of earlier CI runs, 5.0e-5 on
+# an AMD EPYC VM (2026-12-02), and up to 5e-5 on TensorFlow before 2.20.
+# The gradients themselves agree to rounding (SGD: tests/test_distribution.py).
+TOL = {"float32": 1e-4, "float64": 1e-10}
 
 
 @pytest.fixture(autouse=True)
@@ -452,15 +455,25 @@ def test_16_bit_products_move_rows_as_close_to_one_device_as_data_parallel(
     else:
         assert chosen and all(tf.is_tensor(moving) for moving in chosen)
     scale = float(np.abs(predicted["one"]).max())
-    assert np.abs(predicted["model"] - predicted["one"]).max() <= ulp * scale
+    # Two 16-bit ulps of the largest output: bfloat16 products were within
+    # one ulp on the Intel Xeon VMs of earlier CI runs, and are 1.05 ulps
+    # off on an AMD EPYC VM (2026-12-02), whose CPU kernels round a long
+    # contraction's partial sums another way.
+    assert np.abs(predicted["model"] - predicted["one"]).max() <= 2 * (
+        ulp * scale
+    )
     for kernel, one, ours, data_parallel in zip(
         kernels, step["one"], step["model"], step["data"], strict=True
     ):
         error = np.abs(ours - one).max() / np.abs(one).max()
         data_error = np.abs(data_parallel - one).max() / np.abs(one).max()
-        # A quarter of a 16-bit ulp of slack: float16 products on the CPU
-        # are not float32's rounded once (bfloat16's are, to the bit here).
-        assert error <= data_error + ulp / 4, (kernel, error, data_error)
+        # A quarter of a 16-bit ulp of slack sufficed on the Intel Xeon VMs
+        # of earlier CI runs (float16 products on the CPU are not float32's
+        # rounded once; bfloat16's were, to the bit). On an AMD EPYC VM
+        # (2026-12-02) a column block's bfloat16 product is up to 1.05 ulps
+        # from the same columns of the whole product (the forward pass
+        # above), and the embedding's step 1.2 ulps: 1.5 ulps of slack.
+        assert error <= data_error + 1.5 * ulp, (kernel, error, data_error)
     np.testing.assert_allclose(losses["model"], losses["one"], rtol=1e-3)
 
 
