@@ -60,6 +60,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from keras_replicator._src.core import trace_events
 from keras_replicator._src.upstream import cross_device_ops
 
 _ALIGN = 64
@@ -203,7 +204,7 @@ def all_reduce_sum(
     def run(arrays, name):
         return _sum_arrays(arrays, timeout_seconds, name)
 
-    outs = _ordered(run, moved, [t.dtype for t in moved])
+    outs = _ordered(run, moved, [t.dtype for t in moved], "all-reduce")
     results = []
     for t, out in zip(tensors, outs, strict=True):
         out.set_shape(t.shape)
@@ -237,7 +238,7 @@ def all_gather(
     def run(arrays, name):
         return (_gather_array(arrays[0], timeout_seconds, equal, name),)
 
-    (out,) = _ordered(run, [moved], [moved.dtype])
+    (out,) = _ordered(run, [moved], [moved.dtype], "all-gather")
     if equal and tensor.shape.rank and tensor.shape[0] is not None:
         size = _comm().Get_size()
         out.set_shape([size * tensor.shape[0], *tensor.shape[1:]])
@@ -277,7 +278,7 @@ def all_to_all(
         )
         return (out,)
 
-    (out,) = _ordered(run, [moved], [moved.dtype])
+    (out,) = _ordered(run, [moved], [moved.dtype], "all-to-all")
     out.set_shape(pieces.shape)
     return _restored(out, pieces.dtype)
 
@@ -298,10 +299,11 @@ def _restored(moved: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(moved, dtype) if dtype in _MOVE_AS else moved
 
 
-def _ordered(fn, inputs, dtypes):
+def _ordered(fn, inputs, dtypes, kind):
     """Runs `fn(arrays, name)` as one stateful op, in this process's order.
 
-    `name` is the op's name (for errors). In a graph the op waits for the
+    `name` is the op's name (for errors, and the timeline's record of the
+    call, as `kind`: `core/trace_events.py`). In a graph the op waits for the
     graph's previous MPI op, and it reads this process's ordering token
     before its exchange and writes it after, so automatic control
     dependencies order it against every other op that holds the token, in
@@ -311,7 +313,13 @@ def _ordered(fn, inputs, dtypes):
     label = {"name": "an eager call"}
 
     def call(*arrays):
-        return fn(arrays[:-1], label["name"])
+        if not trace_events.recording():
+            return fn(arrays[:-1], label["name"])
+        begin = trace_events.now()
+        out = fn(arrays[:-1], label["name"])
+        nbytes = sum(a.nbytes for a in arrays[:-1])
+        trace_events.collective(kind, label["name"], nbytes, begin)
+        return out
 
     if tf.executing_eagerly():
         return _listed(

@@ -407,8 +407,10 @@ def launch_command(
     num_workers: int = 2,
     replicas_per_worker: int = 2,
     max_restarts: int = 0,
+    transport: str | None = None,
 ) -> list[str]:
     """`keras-replicator launch ... -- python script args`, as an argv."""
+    chosen = [] if transport is None else ["--transport", transport]
     return [
         *command_line(),
         "launch",
@@ -418,6 +420,7 @@ def launch_command(
         str(replicas_per_worker),
         "--max-restarts",
         str(max_restarts),
+        *chosen,
         "--",
         sys.executable,
         str(script),
@@ -433,6 +436,7 @@ def run_launcher(
     env: Mapping[str, str] | None = None,
     timeout: float = 240,
     max_restarts: int = 0,
+    transport: str | None = None,
 ) -> tuple[subprocess.CompletedProcess, list[Any]]:
     """Runs `keras-replicator launch --workers N -- python script args`.
 
@@ -446,13 +450,15 @@ def run_launcher(
         timeout: Seconds until the launcher is killed (then
             `subprocess.TimeoutExpired` is raised; its workers die with it).
         max_restarts: `--max-restarts`.
+        transport: `--transport` (`"grpc"` or `"mpi"`), or None for
+            the launcher's default.
 
     Returns:
         The launcher's `CompletedProcess` (text stdout with both workers'
         prefixed lines) and each worker's `write_result` value (or None).
     """
     command = launch_command(
-        script, args, num_workers, replicas_per_worker, max_restarts
+        script, args, num_workers, replicas_per_worker, max_restarts, transport
     )
     with tempfile.TemporaryDirectory(prefix="kr_launch_") as tmp:
         full_env = {

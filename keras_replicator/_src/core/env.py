@@ -27,6 +27,9 @@ PREEMPTION_CHECK_SECONDS = "KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS"
 # Seconds without progress after which the hang watchdog ends a process
 # (training/hang_watchdog.py); "0" or "off" turns it off.
 HANG_SECONDS = "KERAS_REPLICATOR_HANG_SECONDS"
+# A path: every `fit` under a replicator writes a timeline of every
+# process's steps, collectives and saves there (callbacks/timeline.py).
+TIMELINE = "KERAS_REPLICATOR_TIMELINE"
 # "grpc" or "mpi": forces the transport of the collectives between processes
 # (cluster/transport.py); unset, an mpiexec/srun --mpi launch picks MPI.
 TRANSPORT = "KERAS_REPLICATOR_TRANSPORT"

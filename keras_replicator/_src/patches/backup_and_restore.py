@@ -50,6 +50,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.callbacks import callback_list
 
 from keras_replicator._src.core import placements
+from keras_replicator._src.core import trace_events
 from keras_replicator._src.core import traits
 from keras_replicator._src.core import versions
 from keras_replicator._src.patches import chief_only
@@ -265,8 +266,8 @@ def _save_model(original, self):
         )
         return None
     # A save may take long; the hang watchdog's clock stops meanwhile.
-    with hang_watchdog.paused():
-        target = chief_only.real_backup_dir(self)
+    target = chief_only.real_backup_dir(self)
+    with hang_watchdog.paused(), trace_events.span("backup", trace_events.SAVE):
         if _local(target) and _has_sharded_variables(self.model):
             return _save_sharded(self, run, target)
         return _save_atomically(original, self, run)
@@ -391,6 +392,11 @@ def _save_atomically(original, self, run: resumption.Run):
 
 
 def _load_model(original, self):
+    with trace_events.span("restore", trace_events.SAVE):
+        return _restore(original, self)
+
+
+def _restore(original, self):
     run = resumption.run_for(self.model)
     target = chief_only.real_backup_dir(self)
     if run is None or not _local(target):

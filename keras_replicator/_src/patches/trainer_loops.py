@@ -35,11 +35,14 @@ Everything else, including every model under no strategy or a stock
 from __future__ import annotations
 
 import inspect
+import os
 
 import numpy as np
 import tensorflow as tf
 
 from keras_replicator._src import upstream
+from keras_replicator._src.callbacks import timeline
+from keras_replicator._src.core import env
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import traits
 from keras_replicator._src.layers import global_dropout
@@ -69,6 +72,25 @@ def _arguments(original, model, args, kwargs) -> dict:
     arguments.pop("self")
     arguments.update(arguments.pop("kwargs", {}))
     return arguments
+
+
+def _with_timeline(arguments) -> dict | None:
+    """`fit`'s arguments with a `Timeline` added, if the environment asks.
+
+    `KERAS_REPLICATOR_TIMELINE=path` adds `kr.callbacks.Timeline(path)` to
+    a `fit` that has none (a `CallbackList` passed as is stays as is).
+    """
+    path = os.environ.get(env.TIMELINE)
+    if not path:
+        return None
+    callbacks = arguments().get("callbacks")
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        return None
+    callbacks = list(callbacks or [])
+    if any(isinstance(c, timeline.Timeline) for c in callbacks):
+        return None
+    # First: it then also records a `BackupAndRestore`'s restore.
+    return {**arguments(), "callbacks": [timeline.Timeline(path), *callbacks]}
 
 
 def _global_batch(arguments) -> int | None:
@@ -169,10 +191,13 @@ def _dispatch(name):
         if name == "fit":
             _batch_statistics(self, strategy)
             bar = resume.progress_bar(arguments().get("verbose"))
+            traced = _with_timeline(arguments)
             with resumption.fit_scope(self), hint, bar:
                 with hang_watchdog.watching(
                     strategy, name, resumption.position(self)
                 ):
+                    if traced is not None:
+                        return original(self, **traced)
                     return original(self, *args, **kwargs)
         with hang_watchdog.watching(strategy, name), hint:
             return original(self, *args, **kwargs)

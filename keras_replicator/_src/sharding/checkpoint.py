@@ -58,6 +58,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_replicator._src.core import placements
+from keras_replicator._src.core import trace_events
 from keras_replicator._src.sharding import checkpoint_commit
 from keras_replicator._src.sharding import checkpoint_files
 from keras_replicator._src.sharding import sharded
@@ -235,6 +236,7 @@ def _name(directory, step: int) -> tuple[str, int, bool]:
     return name, sequence, index is not None
 
 
+@trace_events.spanned("checkpoint save", trace_events.SAVE)
 def save(
     model,
     directory,
@@ -362,6 +364,7 @@ def _problems(variables, index) -> list[str]:
     return problems
 
 
+@trace_events.spanned("checkpoint load", trace_events.SAVE)
 def load(model, directory, *, verify=True) -> dict:
     """Loads a sharded checkpoint into `model`, on whatever mesh it has now.
 
