@@ -54,6 +54,7 @@ import tensorflow as tf
 
 from keras_replicator._src import mpi_collectives
 from keras_replicator._src.core import trace_events
+from keras_replicator._src.sharding import sharded
 from keras_replicator._src.upstream import cross_device_ops
 
 # How long process 0 waits for the other processes' parts.
@@ -117,7 +118,7 @@ class Timeline(keras.callbacks.Callback):
         for ops, launchers in self._wrapped:
             ops._launchers = launchers
         self._wrapped = []
-        process, processes = _process(self.model.distribute_strategy)
+        process, processes = sharded.process_of(self.model.distribute_strategy)
         if processes == 1:
             trace = merge({0: events})
             _write(self.path, trace)
@@ -133,16 +134,6 @@ class Timeline(keras.callbacks.Callback):
         if missing:
             line += f" No part from process {', '.join(map(str, missing))}."
         _say(line)
-
-
-def _process(strategy) -> tuple[int, int]:
-    local = len(strategy.extended.worker_devices)
-    if local >= strategy.num_replicas_in_sync:
-        return 0, 1
-    return (
-        int(getattr(strategy.extended, "_id_in_cluster", 0)),
-        strategy.num_replicas_in_sync // local,
-    )
 
 
 def _write(path, content) -> None:

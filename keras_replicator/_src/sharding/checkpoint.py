@@ -96,17 +96,6 @@ def _strategy_of(variables) -> Any:
     return None
 
 
-def _process(strategy) -> tuple[int, int]:
-    """(this process's index, the process count) of `strategy`."""
-    if strategy is None or not sharded.multi_process(strategy):
-        return 0, 1
-    local = len(strategy.extended.worker_devices)
-    return (
-        int(getattr(strategy.extended, "_id_in_cluster", 0)),
-        strategy.num_replicas_in_sync // local,
-    )
-
-
 def _snapshot(component) -> np.ndarray:
     """A host value of one variable component, as it is now.
 
@@ -290,7 +279,7 @@ def save(
     directory.mkdir(parents=True, exist_ok=True)
     variables = _variables(model)
     strategy = _strategy_of(variables.values())
-    process, processes = _process(strategy)
+    process, processes = sharded.process_of(strategy)
     number = checkpoint_commit.agree(processes, timeout_seconds)
     name, sequence, replaces = _agreed_name(
         model, directory, step, process, processes, number, timeout_seconds

@@ -200,6 +200,17 @@ def multi_process(strategy) -> bool:
     )
 
 
+def process_of(strategy) -> tuple[int, int]:
+    """(this process's index, the process count) of `strategy`."""
+    if strategy is None or not multi_process(strategy):
+        return 0, 1
+    local = len(strategy.extended.worker_devices)
+    return (
+        int(getattr(strategy.extended, "_id_in_cluster", 0)),
+        strategy.num_replicas_in_sync // local,
+    )
+
+
 def all_blocks(ctx, block, placement) -> tf.Tensor:
     """The whole value: every replica's `block`, all-gathered, assembled.
 
