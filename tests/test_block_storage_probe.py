@@ -2,7 +2,7 @@
 
 The probe behind `docs/design.md`'s "Block storage": why ModelParallel's
 blocks and ZeRO-1's flat shards are stored by the project's own code
-(`sharding/sharded.py`, `patches/shard_state.py`) and not by a type of
+(`sharding/sharded.py`, `sharding/optimizer_shards.py`) and not by a type of
 TensorFlow's. Each test pins one fact of stock TensorFlow on a stock
 `MirroredStrategy`; one that starts failing on a new release means the
 fact changed, and the storage may be simpler there.

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import keras_replicator as kr
 from keras_replicator._src import collectives
-from keras_replicator._src.patches import shard_state
+from keras_replicator._src.sharding import optimizer_shards
 from tests import helpers
 
 OPTIMIZERS = {
@@ -85,13 +85,13 @@ def _model(
 @contextlib.contextmanager
 def _bucket_bytes(value):
     """Sharded collectives in buckets of `value` bytes (None: the default)."""
-    saved = shard_state.BUCKET_BYTES
+    saved = optimizer_shards.BUCKET_BYTES
     if value is not None:
-        shard_state.BUCKET_BYTES = value
+        optimizer_shards.BUCKET_BYTES = value
     try:
         yield
     finally:
-        shard_state.BUCKET_BYTES = saved
+        optimizer_shards.BUCKET_BYTES = saved
 
 
 def _train(

@@ -103,7 +103,7 @@ from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
 from keras_replicator._src.core import replica_step
 from keras_replicator._src.patches import registry
-from keras_replicator._src.patches import shard_state
+from keras_replicator._src.sharding import optimizer_shards
 
 _logger = logging.getLogger("keras_replicator")
 _SUMMED_MESSAGE = (
@@ -234,10 +234,10 @@ def _apply(original, self, grads, trainable_variables=None):
         or not gradients.is_ours(ctx.strategy)
         or ctx.num_replicas_in_sync == 1
     ):
-        shard_state.check_stock_apply(self)
+        optimizer_shards.check_stock_apply(self)
         return original(self, grads, trainable_variables)
     if gradients.is_fed(self):
-        shard_state.check_stock_apply(self)
+        optimizer_shards.check_stock_apply(self)
         with _replica_local_updates(self), placements.local_reads():
             return original(self, grads, trainable_variables)
     step = replica_step.current()
@@ -252,7 +252,7 @@ def _apply(original, self, grads, trainable_variables=None):
     if not gradients.one_device_convention(step, ctx.strategy):
         # tf.distribute's convention: stock Keras, which sums (rule 2).
         _tell_summed(self, step, ctx)
-        shard_state.check_stock_apply(self)
+        optimizer_shards.check_stock_apply(self)
         if _stock_fails_in_graph(self):
             # Stock would `merge_call` inside a `tf.cond` and fail: the
             # same sum of the shares, once, before the update.
@@ -261,16 +261,18 @@ def _apply(original, self, grads, trainable_variables=None):
                 with _replica_local_updates(self):
                     return original(self, grads, trainable_variables)
         return original(self, grads, trainable_variables)
-    sharded = shard_state.is_sharded(self)
+    sharded = optimizer_shards.is_sharded(self)
     # Sharded state saves memory: its large gradients are not packed.
-    bucket_bytes = shard_state.BUCKET_BYTES if sharded else None
+    bucket_bytes = optimizer_shards.BUCKET_BYTES if sharded else None
     grads = gradients.mean_gradients(
         list(grads), ctx, bucket_bytes=bucket_bytes
     )
     with gradients.receiving_reduced(self), _replica_local_updates(self):
         if sharded:
             # Opt-in ZeRO-1: update this replica's slice, gather weights.
-            return shard_state.apply(original, self, grads, trainable_variables)
+            return optimizer_shards.apply(
+                original, self, grads, trainable_variables
+            )
         return original(self, grads, trainable_variables)
 
 

@@ -149,7 +149,7 @@ class ReplicatorMixin:
         """Whether optimizers keep 1/N of their per-weight state per replica.
 
         ZeRO stage 1, opt-in; checkpoints still hold the full state. See
-        `patches/shard_state.py` and the Speed page of the docs.
+        `sharding/optimizer_shards.py` and the Speed page of the docs.
         """
         return getattr(self, "_shard_optimizer_state", False)
 

@@ -16,7 +16,7 @@ replicas' gradients (averaged as every gradient of the step is, by
 optimizer updates the block with the same numbers one device computes for
 those elements. TensorFlow's CPU runtime has no reduce-scatter
 (`CollectiveReduceScatterV2` fails on CPU), so the cut follows a full
-all-reduce, as in the sharded optimizer state of `patches/shard_state.py`.
+all-reduce, as in the sharded optimizer state of `optimizer_shards.py`.
 
 Outside a replica step (`get_weights`, `save_weights`, `numpy()`, a
 checkpoint) the value is assembled from the components on the host
@@ -279,12 +279,24 @@ def _sparse_block(slices, placement, replica):
 
 def full_value(variable: Any) -> tf.Tensor:
     """The full value of a sharded variable, outside a replica step."""
-    placement = placements.of(variable)
     strategy = variable._value.distribute_strategy
     if multi_process(strategy):
         _all_processes_here(strategy, variable.path)
-        return _gather_blocks(strategy, variable._value, placement)
-    blocks = [tf.convert_to_tensor(c) for c in variable._value.values]
+    return blocks_value(variable._value, placements.of(variable))
+
+
+def blocks_value(stored: Any, placement: Any) -> tf.Tensor:
+    """The whole value of block storage `stored`, outside a replica step.
+
+    `stored` is a distributed variable whose component on replica `r`
+    holds `placement.block(full, r)`: ModelParallel's blocks, or a sharded
+    optimizer's flat shards (`optimizer_shards.flat_placement`). Over
+    several processes this is one all-gather, which every process joins.
+    """
+    strategy = stored.distribute_strategy
+    if multi_process(strategy):
+        return _gather_blocks(strategy, stored, placement)
+    blocks = [tf.convert_to_tensor(c) for c in stored.values]
     return placement.assemble(tf.stack(blocks))
 
 
