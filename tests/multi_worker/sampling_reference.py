@@ -61,6 +61,9 @@ def _qwen3():
 
 # Each layout's model: Llama's own map, Qwen3's automatic one.
 MODELS = {"own": _llama, "auto": _qwen3}
+# The last model `generate` built for each layout, and the custom loop's
+# layers: what `split_weights` inspects.
+BUILT = {}
 
 
 def layout_map(layout, mesh):
@@ -85,6 +88,7 @@ def generate(layout, sampler):
     """Two calls of the model's generate function: their tokens."""
     keras.utils.set_random_seed(1)
     model = MODELS[layout]()
+    BUILT[layout] = model
     model.compile(sampler=sampler)
     generate_fn = model.make_generate_function()
     return [
@@ -106,6 +110,7 @@ def custom_loop():
     x = tf.constant(np.linspace(-1, 1, 64, dtype="float32").reshape(4, 16))
     dense.build((None, 16))
     head.build((None, 16))
+    BUILT["custom_loop"] = dense
 
     @tf.function
     def loop(x):
@@ -118,6 +123,22 @@ def custom_loop():
         return head(h)
 
     return [np.asarray(loop(x)) for _ in range(2)]
+
+
+def split_weights(name):
+    """`{path: (full shape, shapes stored)}` of `BUILT[name]`'s split weights.
+
+    A weight is split when a device stores less than its full shape
+    (`kr.shard_shapes`): the test asks that the loops ran on blocks.
+    """
+    import keras_replicator as kr
+
+    out = {}
+    for weight in BUILT[name].weights:
+        stored = sorted(set(kr.shard_shapes(weight).values()))
+        if stored != [tuple(weight.shape)]:
+            out[weight.path] = [list(weight.shape), [list(s) for s in stored]]
+    return out
 
 
 def run():

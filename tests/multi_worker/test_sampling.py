@@ -44,6 +44,22 @@ def test_sampling_loops_give_one_devices_tokens_on_every_rank(
     for r in results:
         assert r.result["transport"] == transport, r.result["transport"]
         outputs = r.result["outputs"]
+        # The loops read blocks: each model's kernels and tables are split
+        # in two (Llama's own map and `auto_layout_map` split every one of
+        # at least `MIN_BYTES`), each device storing half of one dimension.
+        split = r.result["split"]
+        assert sorted(split) == ["auto", "custom_loop", "own"], split
+        for layout, weights in split.items():
+            assert weights, (layout, "no weight split")
+            for path, (full, stored) in weights.items():
+                assert len(stored) == 1, (path, stored)
+                halved = [f // s for f, s in zip(full, stored[0], strict=True)]
+                assert sorted(halved)[-1] == 2 and np.prod(halved) == 2, (
+                    path,
+                    full,
+                    stored,
+                )
+        assert "loop_dense/kernel" in split["custom_loop"], split
         assert sorted(outputs) == sorted(one_device)
         for case, expected in one_device.items():
             for call, (got, want) in enumerate(
