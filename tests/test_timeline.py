@@ -12,6 +12,7 @@ import pytest
 
 import keras_replicator as kr
 from keras_replicator._src.callbacks import timeline
+from keras_replicator._src.core import trace_events
 
 
 def _fit(callbacks=()):
@@ -51,6 +52,26 @@ def test_the_environment_adds_a_timeline_to_every_fit(tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_REPLICATOR_TIMELINE", str(path))
     _fit()
     assert len(_steps(path)) == 8
+
+
+class _Fails(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            raise RuntimeError("a failing step")
+
+
+def test_a_fit_that_raises_stops_the_timeline(tmp_path):
+    # Keras ends no callback when `fit` raises: the replicator's `fit`
+    # releases the timeline itself, so nothing goes on recording and the
+    # next fit's trace holds its own steps only.
+    path = tmp_path / "failed.json"
+    with pytest.raises(RuntimeError, match="a failing step"):
+        _fit([kr.callbacks.Timeline(path), _Fails()])
+    assert not trace_events.recording()
+    assert not path.exists()
+    again = tmp_path / "again.json"
+    _fit([kr.callbacks.Timeline(again)])
+    assert len(_steps(again)) == 8
 
 
 @pytest.mark.parametrize("path", ["", None, 3])

@@ -113,11 +113,24 @@ class Timeline(keras.callbacks.Callback):
         )
         self._begin = None
 
-    def on_train_end(self, logs=None):
+    def release(self) -> list[dict]:
+        """Stops recording and puts the collectives' launchers back.
+
+        `on_train_end` calls it; so does `fit` when it raises (Keras calls
+        no callback then), so that a failed `fit` leaves no markers in the
+        collectives traced after it and records nothing more.
+
+        Returns:
+            The events recorded since `on_train_begin`.
+        """
         events = trace_events.stop()
         for ops, launchers in self._wrapped:
             ops._launchers = launchers
         self._wrapped = []
+        return events
+
+    def on_train_end(self, logs=None):
+        events = self.release()
         process, processes = sharded.process_of(self.model.distribute_strategy)
         if processes == 1:
             trace = merge({0: events})
@@ -134,6 +147,14 @@ class Timeline(keras.callbacks.Callback):
         if missing:
             line += f" No part from process {', '.join(map(str, missing))}."
         _say(line)
+
+
+def release_all(callbacks) -> None:
+    """`Timeline.release` of each timeline among `fit`'s `callbacks`."""
+    callbacks = getattr(callbacks, "callbacks", callbacks) or ()
+    for callback in callbacks:
+        if isinstance(callback, Timeline):
+            callback.release()
 
 
 def _write(path, content) -> None:

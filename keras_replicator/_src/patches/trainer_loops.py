@@ -196,9 +196,16 @@ def _dispatch(name):
                 with hang_watchdog.watching(
                     strategy, name, resumption.position(self)
                 ):
-                    if traced is not None:
-                        return original(self, **traced)
-                    return original(self, *args, **kwargs)
+                    try:
+                        if traced is not None:
+                            return original(self, **traced)
+                        return original(self, *args, **kwargs)
+                    except BaseException:
+                        # Keras ends no callback when `fit` raises.
+                        timeline.release_all(
+                            (traced or arguments()).get("callbacks")
+                        )
+                        raise
         with hang_watchdog.watching(strategy, name), hint:
             return original(self, *args, **kwargs)
 
