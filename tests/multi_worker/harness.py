@@ -12,8 +12,13 @@ The worker writes its numbers with `write_result`, which puts JSON in the
 file named by `KERAS_REPLICATOR_RESULT`. Importing this module does not
 import TensorFlow, so worker scripts can use it cheaply.
 
-Example test (mark it `multi_worker`; each worker costs ~5-10 s of TF
-start-up on a small machine, so check several things in one run):
+Workers start from a zygote (`tests/multi_worker/zygote.py`): a server,
+one per test process, that has imported TensorFlow, Keras and the package
+once and forks each worker, so a worker skips the ~6 s of CPU those
+imports cost. It is still a fresh process to TensorFlow. Its work still
+costs seconds, so check several things in one run.
+
+Example test (mark it `multi_worker`):
 
 ```python
 from tests.multi_worker import harness
@@ -39,11 +44,14 @@ worker exits non-zero or times out, unless `check=False`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -256,25 +264,15 @@ def _run_once(
     procs = []
     try:
         for i in range(num_workers):
+            own_env = worker_env(
+                ports,
+                i,
+                replicas,
+                str(result_paths[i]),
+                {**(env or {}), **(env_for(i) if env_for else {})},
+            )
             with open(outputs[i], "w") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(path), *args],
-                        env=worker_env(
-                            ports,
-                            i,
-                            replicas,
-                            str(result_paths[i]),
-                            {**(env or {}), **(env_for(i) if env_for else {})},
-                        ),
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        cwd=str(REPO_ROOT),
-                        # Own process group: kill the worker and anything
-                        # it started.
-                        start_new_session=True,
-                    )
-                )
+                procs.append(_start_worker([str(path), *args], own_env, out))
         timed_out = _wait(procs, timeout, kill_on_failure)
     finally:
         for proc in procs:
@@ -294,6 +292,152 @@ def _run_once(
             )
         )
     return results
+
+
+def _start_worker(argv, env, out):
+    """`python argv` in its own session, from the zygote where it can."""
+    if _zygote_can_start(env):
+        try:
+            return _zygote().start(argv, env, out)
+        except OSError:
+            pass  # The zygote is gone: start this worker the usual way.
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=str(REPO_ROOT),
+        # Own process group: kill the worker and anything it started.
+        start_new_session=True,
+    )
+
+
+# Off with KERAS_REPLICATOR_TEST_ZYGOTE=0: every worker a fresh `python`.
+ZYGOTE_ENV = "KERAS_REPLICATOR_TEST_ZYGOTE"
+# What Python, TensorFlow and Keras read while they are imported: a worker
+# whose environment differs from the zygote's there starts the usual way.
+_IMPORT_TIME = (
+    "TF_CPP_MIN_LOG_LEVEL",
+    "TF_CPP_MAX_VLOG_LEVEL",
+    "TF_CPP_VMODULE",
+    "TF_ENABLE_ONEDNN_OPTS",
+    "OMP_NUM_THREADS",
+    "KERAS_BACKEND",
+    "KERAS_HOME",
+    "CUDA_VISIBLE_DEVICES",
+)
+_ZYGOTE_SERVER = None
+
+
+def _zygote_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    env.pop(RESULT_ENV, None)
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def _zygote_can_start(env: Mapping[str, str]) -> bool:
+    if os.environ.get(ZYGOTE_ENV, "1") == "0":
+        return False
+    base = _zygote_env()
+    keys = [k for k in {*env, *base} if k.startswith("PYTHON")]
+    keys += _IMPORT_TIME
+    return all(
+        env.get(k) == base.get(k) for k in keys if k != "PYTHONUNBUFFERED"
+    )
+
+
+def _zygote():
+    global _ZYGOTE_SERVER
+    if _ZYGOTE_SERVER is None or _ZYGOTE_SERVER.proc.poll() is not None:
+        _ZYGOTE_SERVER = _Zygote()
+    return _ZYGOTE_SERVER
+
+
+class _Zygote:
+    """The server of `tests/multi_worker/zygote.py`, one per test process."""
+
+    def __init__(self, timeout: float = 180):
+        self.folder = tempfile.mkdtemp(prefix="kr_zygote_")
+        self.path = os.path.join(self.folder, "socket")
+        self.log = open(os.path.join(self.folder, "log.txt"), "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.multi_worker.zygote", self.path],
+            env=_zygote_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            cwd=str(REPO_ROOT),
+        )
+        atexit.register(self.close)
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready or self.proc.stdout.readline().strip() != b"ready":
+            self.close()
+            raise OSError("the test zygote did not start")
+
+    def start(self, argv, env, out) -> _ZygoteWorker:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        request = {"argv": list(argv), "env": dict(env), "cwd": str(REPO_ROOT)}
+        with open(os.devnull) as null:
+            socket.send_fds(
+                conn,
+                [json.dumps(request).encode() + b"\n"],
+                [null.fileno(), out.fileno(), out.fileno()],
+            )
+        return _ZygoteWorker(conn)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class _ZygoteWorker:
+    """A zygote's worker, as much of `subprocess.Popen` as the harness uses."""
+
+    def __init__(self, conn: socket.socket):
+        self._conn = conn
+        self._lines = conn.makefile("r")
+        self.returncode = None
+        message = self._read(timeout=60)
+        if not message or "pid" not in message:
+            conn.close()
+            raise OSError(f"the test zygote started no worker: {message}")
+        self.pid = message["pid"]
+
+    def _read(self, timeout):
+        ready, _, _ = select.select([self._conn], [], [], timeout)
+        if not ready:
+            return None
+        line = self._lines.readline()
+        # No line: the supervisor died with the zygote; its worker is
+        # killed with it (`_kill`), so report it as killed.
+        return json.loads(line) if line else {"status": -signal.SIGKILL}
+
+    def poll(self):
+        if self.returncode is None:
+            message = self._read(timeout=0)
+            if message is not None:
+                self.returncode = message["status"]
+                self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired("zygote worker", timeout)
+            select.select([self._conn], [], [], left)
+        return self.returncode
 
 
 def _run_mpi(

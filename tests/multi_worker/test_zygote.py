@@ -1,0 +1,81 @@
+"""The harness' zygote starts workers as `python script` would."""
+
+import os
+import signal
+
+import pytest
+
+from tests.multi_worker import harness
+
+WORKER = """
+import os, signal, sys, tempfile
+import numpy as np
+from tests.multi_worker import harness
+
+harness.write_result({
+    "argv": sys.argv[1:],
+    "path0": sys.path[0],
+    "tmp": tempfile.gettempdir(),
+    "mark": os.environ.get("ZYGOTE_TEST_MARK"),
+    "seed": int(np.random.randint(1 << 30)),
+    "session": os.getsid(0) == os.getpid(),
+})
+print("to stdout")
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "signal":
+    os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(120)
+def test_a_zygote_worker_is_a_fresh_python_process(tmp_path):
+    dirs = [tmp_path / "w0", tmp_path / "w1"]
+    for d in dirs:
+        d.mkdir()
+    results = harness.run_workers(
+        WORKER,
+        num_workers=2,
+        replicas_per_worker=1,
+        args=["exit", "3"],
+        env={"ZYGOTE_TEST_MARK": "yes"},
+        env_for=lambda i: {"TMPDIR": str(dirs[i])},
+        check=False,
+        kill_on_failure=False,
+        transport="grpc",
+    )
+    assert [r.returncode for r in results] == [3, 3]
+    for r, d in zip(results, dirs, strict=True):
+        assert r.result["argv"] == ["exit", "3"]
+        assert r.result["mark"] == "yes"
+        # TMPDIR is read again, not the zygote's own.
+        assert r.result["tmp"] == str(d)
+        assert r.result["session"]
+        assert os.path.basename(r.result["path0"]).startswith("kr_workers_")
+        assert "to stdout" in r.output and "to stderr" in r.output
+    # Each worker draws its own NumPy seed, as a fresh process does.
+    assert results[0].result["seed"] != results[1].result["seed"]
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(120)
+def test_a_signal_and_a_raise_end_a_zygote_worker_as_they_end_python():
+    killed = harness.run_workers(
+        WORKER,
+        num_workers=1,
+        replicas_per_worker=1,
+        args=["signal", "0"],
+        check=False,
+        transport="grpc",
+    )
+    assert killed[0].returncode == -signal.SIGTERM
+    raised = harness.run_workers(
+        "raise ValueError('from the worker')\n",
+        num_workers=1,
+        replicas_per_worker=1,
+        check=False,
+        transport="grpc",
+    )
+    assert raised[0].returncode == 1
+    assert "ValueError: from the worker" in raised[0].output
