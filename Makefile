@@ -36,14 +36,16 @@ demo: $(DEMO_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check keras_replicator tests examples benchmarks docs
 
-# In-process tests run in TEST_JOBS pytest-xdist processes (a file's tests
-# stay together, with their module-scoped runs). Multi-worker tests run in
-# MULTI_WORKER_JOBS: each starts its own processes on free ports (a port
-# taken meanwhile is retried), and run one at a time they keep about one
-# core of two busy (20 CPU minutes in 20 minutes: they wait for start-ups
-# over loopback, timeouts and signals), so two at a time use the other.
-TEST_JOBS ?= 2
-MULTI_WORKER_JOBS ?= 2
+# Every test runs in one pool of TEST_JOBS pytest-xdist processes (a
+# file's tests stay together, with their module-scoped runs). In-process
+# tests keep a core busy; multi-worker tests mostly wait (for start-ups over
+# loopback, timeouts and signals: one at a time they keep about half a core
+# busy), so three processes on two cores fill the waits of one kind with the
+# work of the other. Multi-worker tests start their workers from a zygote
+# that imported TensorFlow once (tests/multi_worker/zygote.py).
+TEST_JOBS ?= 3
+# The compatibility runs are in-process tests only: a process per core.
+COMPAT_JOBS ?= 2
 
 # The documentation site, into site/. Strict: a broken link or anchor, or an
 # API entry that does not resolve, fails the build. Runs offline. (Not
@@ -52,10 +54,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test: $(STAMP) lint docs
-	$(BIN)/pytest -q --timeout=600 --durations=25 -m "not multi_worker" -n $(TEST_JOBS) --dist loadfile
-	# Exit code 5 means no multi-worker test was collected.
-	$(BIN)/pytest -q --timeout=600 --durations=25 -m multi_worker \
-		-n $(MULTI_WORKER_JOBS) --dist loadfile || test $$? -eq 5
+	$(BIN)/pytest -q --timeout=600 --durations=25 -n $(TEST_JOBS) --dist loadfile
 
 # The other supported TensorFlow releases, each with the oldest Keras it
 # installs with, as TENSORFLOW/KERAS (`make test` runs the newest release
@@ -123,7 +122,7 @@ test-compat: $(foreach pair,$(COMPAT_PAIRS),$(call compat_stamp,$(pair)))
 		pair=$${run%%=*}; venv=$${run#*=}; \
 		echo "== TensorFlow $${pair%/*} + Keras $${pair#*/} ($$venv, Keras" \
 			"$$($$venv/bin/python -c 'import keras; print(keras.__version__)'))"; \
-		$$venv/bin/pytest -q --timeout=600 -n $(TEST_JOBS) --dist loadfile \
+		$$venv/bin/pytest -q --timeout=600 -n $(COMPAT_JOBS) --dist loadfile \
 			$(COMPAT_DESELECT) $(COMPAT_TESTS) || failed="$$failed $$pair"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "test-compat failed for:$$failed"; exit 1; fi

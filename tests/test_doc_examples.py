@@ -6,13 +6,12 @@ fenced as ```text, ```sh, ```bash or ```yaml; only ```python, ```py and
 ```python3 fences run.
 """
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.multi_worker import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -104,15 +103,9 @@ def test_readme_links_exist():
     "label, code", BLOCKS, ids=[label for label, _ in BLOCKS]
 )
 def test_python_block_runs(label, code, tmp_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
-    )
+    # A fresh process (from the tests' zygote, which imported TensorFlow
+    # and Keras once), in an empty directory.
+    result = harness.run_python(["-c", code], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, (
         f"the block at {label} failed:\n{code}\n"
         f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multi_worker import harness
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # The packages an example may import beyond keras-replicator's
 # requirements, and the install that brings each (pyproject.toml's
@@ -29,13 +31,9 @@ REQUIRED = {"keras", "keras_replicator", "numpy", "tensorflow"}
 
 
 def _smoke(name, *args, timeout=180):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), "--smoke", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
+    # A fresh process, from the tests' zygote (TensorFlow imported once).
+    proc = harness.run_python(
+        [str(EXAMPLES / name), "--smoke", *args], timeout=timeout
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -294,21 +294,64 @@ def _run_once(
     return results
 
 
-def _start_worker(argv, env, out):
-    """`python argv` in its own session, from the zygote where it can."""
+def _start_worker(argv, env, out, err=None, cwd=REPO_ROOT):
+    """`python argv` in its own session, from the zygote where it can.
+
+    Its stdout goes to the file `out`, its stderr to `err` (default: `out`).
+    """
     if _zygote_can_start(env):
         try:
-            return _zygote().start(argv, env, out)
+            return _zygote().start(argv, env, out, err or out, cwd)
         except OSError:
             pass  # The zygote is gone: start this worker the usual way.
     return subprocess.Popen(
         [sys.executable, *argv],
         env=env,
         stdout=out,
-        stderr=subprocess.STDOUT,
-        cwd=str(REPO_ROOT),
+        stderr=err or subprocess.STDOUT,
+        cwd=str(cwd),
         # Own process group: kill the worker and anything it started.
         start_new_session=True,
+    )
+
+
+def run_python(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """`python *argv`, as `subprocess.run(..., capture_output=True, text=True)`.
+
+    For a test that runs a script or `-c` code in a fresh process: started
+    from the zygote where it can, like the workers. The repository is on
+    its `PYTHONPATH`, as a worker's.
+
+    Args:
+        argv: The arguments after `python`: a script and its arguments, or
+            `-c`, the code and its arguments.
+        env: Its whole environment. Defaults to this process's.
+        cwd: Its working directory. Defaults to the repository.
+        timeout: Seconds until it is killed (then `TimeoutExpired`).
+
+    Returns:
+        A `CompletedProcess` with its exit code, stdout and stderr.
+    """
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    with tempfile.TemporaryDirectory(prefix="kr_python_") as tmp:
+        paths = (Path(tmp) / "stdout.txt", Path(tmp) / "stderr.txt")
+        with open(paths[0], "w") as out, open(paths[1], "w") as err:
+            proc = _start_worker(argv, env, out, err, cwd or REPO_ROOT)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            _kill(proc)
+        stdout, stderr = (p.read_text(errors="replace") for p in paths)
+    return subprocess.CompletedProcess(
+        [sys.executable, *argv], proc.returncode, stdout, stderr
     )
 
 
@@ -379,15 +422,15 @@ class _Zygote:
             self.close()
             raise OSError("the test zygote did not start")
 
-    def start(self, argv, env, out) -> _ZygoteWorker:
+    def start(self, argv, env, out, err, cwd) -> _ZygoteWorker:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        request = {"argv": list(argv), "env": dict(env), "cwd": str(REPO_ROOT)}
+        request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd)}
         with open(os.devnull) as null:
             socket.send_fds(
                 conn,
                 [json.dumps(request).encode() + b"\n"],
-                [null.fileno(), out.fileno(), out.fileno()],
+                [null.fileno(), out.fileno(), err.fileno()],
             )
         return _ZygoteWorker(conn)
 

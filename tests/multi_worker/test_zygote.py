@@ -79,3 +79,16 @@ def test_a_signal_and_a_raise_end_a_zygote_worker_as_they_end_python():
     )
     assert raised[0].returncode == 1
     assert "ValueError: from the worker" in raised[0].output
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(120)
+def test_run_python_runs_code_in_its_directory_with_its_own_streams(tmp_path):
+    code = (
+        "import os, sys; print(os.getcwd(), sys.argv[1:]); "
+        "print('err', file=sys.stderr); sys.exit(4)"
+    )
+    result = harness.run_python(["-c", code, "a"], cwd=tmp_path)
+    assert result.returncode == 4
+    assert result.stdout.split() == [str(tmp_path), "['a']"]
+    assert result.stderr.strip().splitlines()[-1] == "err"

@@ -18,12 +18,13 @@ import time (TensorFlow's C++ log level, oneDNN) is fixed by the server's
 environment: a worker whose environment differs there is started the
 usual way (`harness._zygote_can_start`).
 
-Protocol, over a Unix socket: the client sends one JSON request (argv,
-env, cwd) with its stdin, stdout and stderr as file descriptors
-(`socket.send_fds`). The server forks a supervisor for the connection,
-which forks the worker, replies `{"pid": P}`, waits for it, and replies
-`{"status": S}`: the exit code, or minus the signal that killed it, as
-`subprocess.Popen.returncode` says.
+Protocol, over a Unix socket: the client sends one JSON request (argv: a
+script and its arguments, or `-c`, code and arguments; env; cwd) with its
+stdin, stdout and stderr as file descriptors (`socket.send_fds`). The
+server forks a supervisor for the connection, which forks the worker,
+replies `{"pid": P}`, waits for it, and replies `{"status": S}`: the exit
+code, or minus the signal that killed it, as `subprocess.Popen.returncode`
+says.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import signal
 import socket
 import sys
 import tempfile
+import types
 
 # Imported once here, for every worker.
 import keras  # noqa: F401
@@ -68,9 +70,14 @@ def _run_worker(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     argv = request["argv"]
-    script = os.path.abspath(argv[0])
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(script)
+    if argv[0] == "-c":
+        script = None
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(script)
     # As a fresh process: its own NumPy global seed (Python's `random`
     # reseeds itself after a fork).
     np.random.seed()
@@ -85,7 +92,12 @@ def _run_worker(request: dict, fds: list[int]) -> None:
 
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if script is None:
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code is None:
             code = 0
