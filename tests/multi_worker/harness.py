@@ -324,8 +324,8 @@ def run_python(
     """`python *argv`, as `subprocess.run(..., capture_output=True, text=True)`.
 
     For a test that runs a script or `-c` code in a fresh process: started
-    from the zygote where it can, like the workers. The repository is on
-    its `PYTHONPATH`, as a worker's.
+    from the zygote where it can, like the workers. Its `sys.path` is what
+    its own `PYTHONPATH` makes it (the zygote's does not leak into it).
 
     Args:
         argv: The arguments after `python`: a script and its arguments, or
@@ -338,9 +338,6 @@ def run_python(
         A `CompletedProcess` with its exit code, stdout and stderr.
     """
     env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-    )
     with tempfile.TemporaryDirectory(prefix="kr_python_") as tmp:
         paths = (Path(tmp) / "stdout.txt", Path(tmp) / "stderr.txt")
         with open(paths[0], "w") as out, open(paths[1], "w") as err:
@@ -387,10 +384,13 @@ def _zygote_can_start(env: Mapping[str, str]) -> bool:
     if os.environ.get(ZYGOTE_ENV, "1") == "0":
         return False
     base = _zygote_env()
+    # PYTHONPATH may differ: the worker sets its own `sys.path`.
     keys = [k for k in {*env, *base} if k.startswith("PYTHON")]
     keys += _IMPORT_TIME
     return all(
-        env.get(k) == base.get(k) for k in keys if k != "PYTHONUNBUFFERED"
+        env.get(k) == base.get(k)
+        for k in keys
+        if k not in ("PYTHONUNBUFFERED", "PYTHONPATH")
     )
 
 

@@ -92,3 +92,21 @@ def test_run_python_runs_code_in_its_directory_with_its_own_streams(tmp_path):
     assert result.returncode == 4
     assert result.stdout.split() == [str(tmp_path), "['a']"]
     assert result.stderr.strip().splitlines()[-1] == "err"
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(120)
+def test_run_python_sees_only_its_own_python_path(tmp_path):
+    # Without the repository on its PYTHONPATH, the repository's `tests`
+    # package is not importable, as in a fresh `python`; the package is.
+    code = (
+        "import importlib.util as u, keras_replicator; "
+        "print(u.find_spec('tests') is None)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    alone = harness.run_python(["-c", code], env=env, cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.split()[-1] == "True"
+    env["PYTHONPATH"] = str(harness.REPO_ROOT)
+    with_repo = harness.run_python(["-c", code], env=env, cwd=tmp_path)
+    assert with_repo.stdout.split()[-1] == "False", with_repo.stderr

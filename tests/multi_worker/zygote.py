@@ -46,6 +46,8 @@ import tensorflow  # noqa: F401
 import keras_replicator  # noqa: F401
 
 _PR_SET_PDEATHSIG = 1
+# The server's own PYTHONPATH: a worker's may differ (`_python_path`).
+_OWN_PYTHONPATH = os.environ.get("PYTHONPATH", "")
 
 
 def _die_with_parent() -> None:
@@ -81,6 +83,7 @@ def _run_worker(request: dict, fds: list[int]) -> None:
     # As a fresh process: its own NumPy global seed (Python's `random`
     # reseeds itself after a fork).
     np.random.seed()
+    _python_path(request["env"].get("PYTHONPATH", ""))
     # Read from TMPDIR again: the imports cached the server's.
     tempfile.tempdir = None
     if os.environ.get("PYTHONUNBUFFERED"):
@@ -121,6 +124,25 @@ def _run_worker(request: dict, fds: list[int]) -> None:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code & 0xFF)
+
+
+def _python_path(wanted: str) -> None:
+    """Makes `sys.path` what the worker's PYTHONPATH would have made it.
+
+    The server's PYTHONPATH entries (the repository) leave `sys.path`, and
+    the modules imported from there (this `tests` package) leave
+    `sys.modules`, so a worker without the repository on its path cannot
+    import what a fresh `python` could not. The package itself stays: it is
+    installed, and the same files.
+    """
+    if wanted == _OWN_PYTHONPATH:
+        return
+    own = [p for p in _OWN_PYTHONPATH.split(os.pathsep) if p]
+    sys.path[1:] = [p for p in sys.path[1:] if p not in own]
+    sys.path[1:1] = [p for p in wanted.split(os.pathsep) if p]
+    for name in list(sys.modules):
+        if name == "tests" or name.startswith("tests."):
+            del sys.modules[name]
 
 
 def _supervise(conn: socket.socket) -> None:
