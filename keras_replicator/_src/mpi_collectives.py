@@ -107,14 +107,6 @@ def install(extended, timeout_seconds: float | None = None) -> None:
             ]
 
 
-def uses_mpi(ctx_or_strategy) -> bool:
-    """Whether this strategy's collectives go over MPI."""
-    strategy = getattr(ctx_or_strategy, "strategy", ctx_or_strategy)
-    ops = getattr(strategy.extended, "_cross_device_ops", None)
-    launchers = getattr(ops, "_launchers", None) or ()
-    return any(isinstance(x, MpiLauncher) for x in launchers)
-
-
 class MpiLauncher:
     """One replica's collectives, over MPI.
 

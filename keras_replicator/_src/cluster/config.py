@@ -236,12 +236,6 @@ def make_tf_config(
     )
 
 
-def slurm_present(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is one task of a multi-task Slurm job step."""
-    found = discovery.detect(environ)
-    return found is not None and found.launcher == "slurm"
-
-
 def detect(environ: Mapping[str, str] | None = None) -> str | None:
     """Names the cluster environment present: "TF_CONFIG", "Slurm", "MPI".
 

@@ -35,11 +35,6 @@ def is_in_graph(strategy: Any) -> bool:
     return kind(strategy) in IN_GRAPH
 
 
-def is_async(strategy: Any) -> bool:
-    """True for `AsyncReplicator`."""
-    return kind(strategy) == "async"
-
-
 def model_strategy(model: Any) -> Any:
     """The strategy a Keras model was built under (None if none)."""
     return getattr(model, "_distribute_strategy", None)

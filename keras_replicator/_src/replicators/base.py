@@ -362,8 +362,3 @@ class ReplicatorMixin:
 
 
 _check_positive_int = validation.check_positive_int
-
-
-def in_replica_context() -> bool:
-    """True inside `strategy.run` (or with no strategy at all)."""
-    return not tf.distribute.in_cross_replica_context()
