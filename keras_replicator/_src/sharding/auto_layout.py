@@ -1,36 +1,16 @@
 """A `LayoutMap` that lays out what no key matches, by shape and layer.
 
-`keras.distribution.ModelParallel` needs a `LayoutMap` whose keys (regexes
-on variable paths) say how each weight is split. keras-hub ships one for a
-handful of backbones; for every other model someone must read its variable
-paths and write the regexes, and a renamed layer silently stops matching,
-so the model loads whole on every device (keras-hub #2806).
+`keras.distribution.ModelParallel` needs a `LayoutMap` whose keys (regexes on
+variable paths) say how each weight is split. keras-hub ships one for a few
+backbones; for any other model someone must write the regexes, and a renamed
+layer silently stops matching, so the model loads whole on every device
+(keras-hub #2806).
 
-`AutoLayoutMap` keeps the keys set on it (they win), and lays out every
-other variable when it is created, from what Keras knows then: its shape
-and dtype, its name and the layer that makes it (the caller of the name
-scope `Layer.add_weight` opens). A trainable float variable of at least
-`min_bytes` is split along the model axis on one dimension that axis
-divides; the dimension is the one the layer's product reads as a free
-(output) dimension where there is one, so that the product of a sharded
-kernel moves rows, not the kernel (`contraction.py`), and each replica's
-share of the output is its own block of columns:
-
-- `Embedding` (keras-hub's `ReversibleEmbedding` too): `embeddings` and
-  untied `reverse_embeddings` by the vocabulary, else the hidden size;
-- `Dense`: `kernel` `(in, out)` by out, else in;
-- `EinsumDense`: `kernel` by its output labels in kernel order (attention
-  heads before the head size), else by its contracted ones;
-- a layer with `num_experts`: a stack `(experts, ...)` by the experts,
-  else its last dimension to its first;
-- a convolution: `kernel` by its last channel dimension, else the other;
-- any other: the last dimension to the first.
-
-Smaller variables, variables no dimension of which the axis divides, and
-non-trainable or non-float ones stay whole on every device, and
-`decisions` says why. The rule reads nothing but the variable and its
-layer's class and configuration, so every process lays every variable out
-the same way.
+`AutoLayoutMap` lays out each variable no key matches as it is created, by
+the rule `auto_layout_map` states, from its shape, dtype, name and layer (the
+caller of the name scope `Layer.add_weight` opens). A free (output) dimension
+is split where there is one, so a product by the sharded kernel moves rows,
+not the kernel (`contraction.py`).
 """
 
 from __future__ import annotations
@@ -68,8 +48,6 @@ class Decision:
     """What the automatic rule made of one variable.
 
     Attributes:
-        path: The variable's path.
-        shape: Its shape.
         rule: The rule that applied (e.g. `"dense out"`).
         dim: The dimension split along the model axis, or None (whole).
         reason: Why it stays whole, when `dim` is None.
@@ -126,8 +104,7 @@ class AutoLayoutMap(keras.distribution.LayoutMap):
         self.model_dim_name = model_dim_name
         axis = list(device_mesh.axis_names).index(model_dim_name)
         self._devices = int(device_mesh.shape[axis])
-        # Path -> `Decision`, for every variable the rule laid out (the last
-        # one made at that path).
+        # Path -> `Decision` of the last variable the rule laid out there.
         self.decisions: dict[str, Decision] = {}
 
     def __getitem__(self, key: str):
@@ -181,10 +158,9 @@ def _preference(name: str, shape, layer) -> tuple[str, list[int]]:
     rank = len(shape)
     last_first = list(range(rank - 1, -1, -1))
     if isinstance(layer, keras.layers.Embedding) and rank == 2:
-        # The vocabulary is `input_dim`; `reverse_embeddings` are
-        # `(hidden, vocabulary)`. Split rows of a table: its lookups and a
-        # tied logits product (`matmul(x, transpose(table))`) each give a
-        # replica its own block of outputs.
+        # `reverse_embeddings` are `(hidden, vocabulary)`. A table split by
+        # the vocabulary gives each replica its own block of lookups and of
+        # tied logits (`matmul(x, transpose(table))`).
         vocab = 1 if name == "reverse_embeddings" else 0
         label = "logits" if name == "reverse_embeddings" else "embedding"
         return f"{label} vocabulary", [vocab, 1 - vocab]
@@ -220,8 +196,8 @@ class laying_out:  # noqa: N801 (a context manager, named as one)
     """While open, `AutoLayoutMap` lays out `variable` of `shape`.
 
     `sharded.sharding_strategy` opens it around Keras' layout lookup, which
-    passes the map only the variable's path. The layer is the caller of the
-    innermost name scope (`Layer.add_weight` opens one with itself).
+    passes the map only the variable's path; the layer is the caller of the
+    innermost name scope.
     """
 
     def __init__(self, variable: Any, shape):
@@ -247,25 +223,24 @@ def auto_layout_map(
 ) -> AutoLayoutMap:
     """A `LayoutMap` that splits every large weight, with no keys written.
 
-    Pass it to `ModelParallel` as a hand-written map. Keys you set on it
-    win, as on any `LayoutMap`; every other variable is laid out when it is
-    created, by its shape and its layer: a trainable float variable of at
-    least `min_bytes` is split along the `model_dim_name` axis, on one
-    dimension that axis divides, chosen so that a product by the split
-    kernel moves rows rather than the kernel and each replica computes its
-    own block of outputs: the vocabulary of an embedding (and of tied or
-    untied logits), the output dimension of a `Dense` kernel, an
+    Pass it to `ModelParallel` as a hand-written map. Keys you set on it win,
+    as on any `LayoutMap`; every other variable is laid out when created. A
+    trainable float variable of at least `min_bytes` is split along the
+    `model_dim_name` axis on one dimension that axis divides, chosen so that a
+    product by the split kernel moves rows rather than the kernel and each
+    replica computes its own block of outputs: an embedding's vocabulary (of
+    tied or untied logits too), a `Dense` kernel's output dimension, an
     `EinsumDense` kernel's output labels (attention heads before the head
-    size), the experts of an expert stack (a layer with `num_experts`), the
-    channels of a convolution kernel, otherwise the last dimension that
-    divides. Smaller variables, variables no dimension of which the axis
-    divides, and non-trainable or non-float ones stay whole on every device.
-    Other mesh axes (a `"batch"` axis) split the batch, as with any map.
+    size), the experts of a layer with `num_experts`, a convolution kernel's
+    channels, else the last dimension that divides. Smaller, non-trainable and
+    non-float variables, and those no dimension of which the axis divides,
+    stay whole on every device. Other mesh axes (a `"batch"` axis) split the
+    batch, as with any map.
 
-    The rule reads only each variable's shape, dtype, name and layer, so
-    every process makes the same layout. `kr.layout_report(model)` names,
-    per variable, the key or the rule that laid it out, or why it is whole;
-    the map's `decisions` holds the same per path.
+    The rule reads only the variable and its layer, so every process makes
+    the same layout. `kr.layout_report(model)` names, per variable, the key or
+    rule that laid it out, or why it is whole; the map's `decisions` holds the
+    same per path.
 
     Example:
     ```python

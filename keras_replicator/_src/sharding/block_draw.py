@@ -1,22 +1,15 @@
 """Initial values drawn block by block, never whole.
 
-A sharded variable's initial value is cut into blocks, and a process keeps
-only its devices' blocks. For Keras' random initializers the full value
-need not exist at all: TensorFlow's stateless random ops (Philox on the
-CPU and GPU) draw element `i` of a tensor from counter `i // 4` after the
-seed's counter (truncated normals: 256 counters per group of 4, reserved
-for rejections), whatever the shape. So rows `[a, b)` of the full draw are
-the draw of shape `(b - a, ...)` with the counter moved by `a`'s first
-element. A block is drawn in chunks of rows, each cut to the block's
-columns at once: the transient is one chunk, and the numbers are one
-device's bit for bit (`tests/test_capacity.py` compares them).
-
-This applies when the variable's initializer is one of Keras' own random
-initializers (`RandomUniform`, `RandomNormal`, `TruncatedNormal`,
-`VarianceScaling` and its Glorot, He and LeCun forms), whose call returns
-the backend's draw as it is, in float32 on Philox. Every other initializer
-(`Orthogonal`, `Zeros`, a user's own) computes the full value once, which
-`sharded.create` cuts into blocks: one variable at a time.
+TensorFlow's stateless random ops (Philox, CPU and GPU) draw element `i`
+from counter `i // 4` after the seed's, whatever the shape (truncated
+normals: 256 counters per group of 4, for rejections). So rows `[a, b)` of a
+full draw are a `(b - a, ...)` draw with the counter moved by `a`'s first
+element, and Keras' own random initializers (`_DRAWN`, whose call returns the
+backend's float32 Philox draw as it is) are drawn in chunks of rows, each cut
+to the block's columns at once: one chunk is the transient, and the numbers
+are one device's bit for bit (`tests/test_capacity.py`). `Zeros`, `Ones` and
+a scalar `Constant` become a `Fill`; any other initializer (`Orthogonal`, a
+user's) computes the full value once, which `sharded.create` cuts.
 """
 
 from __future__ import annotations
@@ -68,10 +61,7 @@ class Draw:
         self.shift = shift
 
     def rows(self, start: int, stop: int) -> tf.Tensor:
-        """Rows `[start, stop)` of the full draw.
-
-        `start` times the size of a row must be a multiple of 4.
-        """
+        """Rows `[start, stop)` of the draw (`start * row` a multiple of 4)."""
         row = math.prod(self.shape[1:])
         first = start * row
         key, counter = gen_random.stateless_random_get_key_counter(self.seed)
@@ -178,13 +168,7 @@ def _standing(value: Any) -> float | None:
 
 
 def draw(value: Any, shape, dtype) -> Draw | Fill | Any:
-    """Calls `value` (an initializer's closure), drawing nothing whole.
-
-    If the variable's initializer is one of Keras' random initializers and
-    its dtype float32, its full-shaped draw returns a `Draw` instead of a
-    tensor; for `Zeros`, `Ones` or a scalar `Constant`, a `Fill`;
-    otherwise `value()`, as it is.
-    """
+    """Calls `value` (an initializer's closure): a `Draw`, a `Fill` or as is."""
     initializer = getattr(_local, "initializer", None)
     shape = tuple(int(d) for d in shape)
     fill = _fill_value(initializer)
@@ -211,9 +195,8 @@ def stand_in(kind: str, original, *args, **kwargs):
     """`tf.random.stateless_<kind>`, or a `Draw` while `draw` is asking.
 
     Installed by `patches/sharded_variables.py` in place of TensorFlow's
-    `stateless_uniform`, `stateless_normal` and `stateless_truncated_normal`;
-    every call but the one full-shaped float32 Philox draw of a variable
-    being created block by block goes to TensorFlow.
+    `stateless_uniform`, `_normal` and `_truncated_normal`; every call but a
+    variable's one full-shaped float32 Philox draw goes to TensorFlow.
     """
     drawing = getattr(_local, "drawing", None)
     if drawing is None:

@@ -10,42 +10,29 @@ directory/
     process-<k>.json    # process k's part of the index
 ```
 
-- **Saving** gathers nothing. Under `ModelParallel` a process writes the
-  blocks its replicas hold, each distinct block once (the lowest replica
-  that holds a block writes it). A replicated variable (`DataParallel`, a
-  plain replicator, a variable no layout splits, optimizer counters) is
-  written once, by process 0. Each block carries a CRC-32.
-- **The index is the commit.** Once every process has written and synced
-  its files (process 0 sees each part's `process-<k>.json`, renamed into
-  place last), process 0 merges the parts into `index.json.tmp` and renames
-  it over `index.json`; another process's save ends with its part. Process
-  0 waits by polling the files: the coordination service's barrier holds
-  Python's GIL while it waits, which would stop training. Two barriers at
-  the start of a save, in the caller's thread, make sure every process's
-  previous save is done (so all read the same index and name the save
-  alike) and that process 0 has emptied its folder. A crash or SIGTERM
-  before the rename leaves the previous index, which names only files of
-  a complete checkpoint; the previous checkpoint's files are removed only
-  after the rename.
-- **Asynchronous saves.** `save` copies this process's blocks to host
-  memory and returns; a background thread writes the files and the index.
-  The next `save` (or a `load`) first waits for the previous one.
-- **Loading onto any mesh.** A process reads, for each block it now holds,
-  only the saved blocks that intersect it, through memory maps (the pages
-  of the bytes it copies, plus, with `verify=True`, one pass over each
-  touched block for its checksum). The index is checked against the model
-  (every variable present, same shapes and dtypes) before any weight
-  changes. A checkpoint saved on one mesh and process count loads on
-  another, under `DataParallel` and on one device.
+- **Saving** gathers nothing: each distinct block is written once, by the
+  process of the lowest replica holding it; a replicated variable
+  (`DataParallel`, a plain replicator, optimizer counters) by process 0. Each
+  block carries a CRC-32. `save` copies this process's blocks to host memory
+  and returns; a background thread writes the files and the index, and the
+  next `save` (or a `load`) first waits for it.
+- **The index is the commit.** Once every process's files are synced (its
+  `process-<k>.json` renamed into place last), process 0 merges the parts
+  into `index.json.tmp` and renames it over `index.json`. A crash or SIGTERM
+  before that leaves the previous index, naming only a complete checkpoint's
+  files, which are removed only after the rename (`checkpoint_commit`).
+- **Loading onto any mesh.** For each block it now holds, a process reads
+  only the saved blocks that intersect it, through memory maps (and, with
+  `verify=True`, checksums each touched block once). The index is checked
+  against the model (every variable, shape and dtype) before any weight
+  changes. Any mesh or process count reads, `DataParallel` and one device too.
 
-Why files of our own rather than `tf.train.Checkpoint` or TensorStore:
-`tf.train.Checkpoint` saves a `MirroredVariable` as its primary component,
-which for a sharded variable is one block (and its per-task sharding writes
-every variable from the task that holds it, not blocks with coordinates);
-TensorStore would be a new dependency for what raw bytes, `numpy.memmap` and
-a JSON index do here. The files assume storage every process sees (a local
-disk on one host, a shared file system across hosts), as PyTorch's
-distributed checkpoint and Orbax do.
+Not `tf.train.Checkpoint`: it saves a `MirroredVariable` as its primary
+component, for a sharded variable one block (and its per-task sharding writes
+each variable from the task holding it, not blocks with coordinates). Not
+TensorStore: a new dependency for what raw bytes, `numpy.memmap` and a JSON
+index do. The files assume storage every process sees (one host's disk, a
+shared file system), as PyTorch's distributed checkpoint and Orbax do.
 """
 
 from __future__ import annotations
@@ -70,11 +57,10 @@ wait_for_saves = checkpoint_commit.wait_for_saves
 def _variables(model, build_optimizer: bool = False) -> dict[str, Any]:
     """`{key: variable}` for the model's weights and its optimizer's.
 
-    Keys are `"model/<i>"` and `"optimizer/<i>"`, in the order of
-    `model.weights` and `optimizer.variables`: variables match by the
-    model's structure, as in Keras' own weight files, not by paths, which
-    carry auto-numbered names (`sequential_2/...`) that differ between
-    runs. The index records each path for messages.
+    Keys are `"model/<i>"` and `"optimizer/<i>"`, in `model.weights` and
+    `optimizer.variables` order: variables match by structure, as in Keras'
+    weight files, not by paths, whose auto-numbered names (`sequential_2/`)
+    differ between runs. The index keeps each path for messages.
     """
     optimizer = getattr(model, "optimizer", None)
     if build_optimizer and optimizer is not None and not optimizer.built:
@@ -99,11 +85,9 @@ def _strategy_of(variables) -> Any:
 def _snapshot(component) -> np.ndarray:
     """A host value of one variable component, as it is now.
 
-    On the CPU this copies nothing: the array holds the variable's buffer,
-    and TensorFlow's updates copy a buffer that is still read before they
-    write (copy-on-write), so later steps never change the array. The save
-    thus costs the step no copy at all, and a variable updated before the
-    writer let go of its snapshot costs one, in its update. Elsewhere
+    On the CPU no copy: the array holds the variable's buffer, which an
+    update copies first while it is still read (copy-on-write), so only a
+    variable updated before the writer lets go costs a copy. Elsewhere
     `np.asarray` copies the value to the host.
     """
     return np.asarray(component.value())
@@ -112,7 +96,7 @@ def _snapshot(component) -> np.ndarray:
 def _first_copy(variable) -> np.ndarray:
     """This process's first copy of a replicated variable.
 
-    A plain read of one component, so that it works whatever strategy or
+    A plain read of one component: it works whatever strategy or
     distribution is current (a model saved after another was built).
     """
     inner = getattr(variable, "_value", variable)
@@ -121,12 +105,7 @@ def _first_copy(variable) -> np.ndarray:
 
 
 def _host_blocks(key, variable, process) -> tuple[dict, list]:
-    """This process's part of `variable`: its index entry and host copies.
-
-    Returns:
-        `(entry, blocks)`: `entry` names the dtype, shape and layout;
-        `blocks` lists `(begin, array)` this process writes.
-    """
+    """`(index entry, [(begin, host array)])`: this process's part."""
     inner = getattr(variable, "_value", variable)
     dtype = tf.as_dtype(inner.dtype).name
     shape = [int(d) for d in variable.shape]
@@ -166,11 +145,9 @@ def _agreed_name(
 ) -> tuple[str, int, bool]:
     """`_name` as process 0 reads it, the same on every process.
 
-    Process 0 committed the index it reads (`checkpoint_commit.agree`
-    passed its previous save); another host's network file system may
-    still show the folder as it was (a cached lookup). So process 0
-    publishes what it read in the coordination service's key-value store,
-    and the others take it.
+    Another host's network file system may still show the folder as it was
+    before process 0's last commit (a cached lookup), so process 0 publishes
+    what it read in the coordination service's key-value store.
     """
     step = _step(model, step)  # A bad `step` fails on every process alike.
     key = f"keras_replicator/checkpoint/{number}/name"
@@ -211,16 +188,15 @@ def _step(model, step) -> int:
 def _name(directory, step: int) -> tuple[str, int, bool]:
     """The new checkpoint's name, its number, and whether one is there.
 
-    The third: whether `directory` holds a committed checkpoint (which an
-    abandoned save leaves). Read from the committed index (the last save's
-    "indexed" barrier is passed), not from a directory listing.
+    The third: whether `directory` holds a committed checkpoint (an abandoned
+    save leaves one). Read from the committed index, not a directory listing.
     """
     name = f"ckpt-{step}"
     index = checkpoint_files.read_index(directory)
     sequence = 0 if index is None else index.get("sequence", 0) + 1
     if index is not None and index["checkpoint"] == name:
-        # The same step saved again: a new name, so that the committed
-        # files stay until the new index replaces them.
+        # The same step again: a new name keeps the committed files until
+        # the new index replaces them.
         name = f"ckpt-{step}-{sequence}"
     return name, sequence, index is not None
 
@@ -238,9 +214,9 @@ def save(
 ) -> CheckpointSave:
     """Saves `model`'s weights and optimizer state as a sharded checkpoint.
 
-    Every process calls it at the same point, with the same directory. See
-    the module docstring for the format. Under `ModelParallel` no sharded
-    variable is gathered: each process writes the blocks it holds.
+    Every process calls it at the same point, with the same directory. Under
+    `ModelParallel` nothing is gathered: each process writes the blocks it
+    holds.
 
     Args:
         model: A Keras model (built).
@@ -250,11 +226,11 @@ def save(
         metadata: A JSON-serialisable dict stored in the index and returned
             by `load` (a training position, a config). Defaults to `{}`.
         asynchronous: If True (the default), return once this process's
-            blocks are copied to host memory and write in a background
-            thread; the returned handle's `wait()` blocks until the index
-            is written. If False, return when it is.
+            blocks are in host memory and write in a background thread; the
+            handle's `wait()` blocks until the index is written. If False,
+            return when it is.
         timeout_seconds: How long a process waits for the others at each
-            stage over several processes, in seconds. Defaults to 600.
+            stage, in seconds. Defaults to 600.
         on_commit: If set, called without arguments in process 0 once the
             index is in place (before older checkpoints are removed).
 
@@ -357,9 +333,9 @@ def _problems(variables, index) -> list[str]:
 def load(model, directory, *, verify=True) -> dict:
     """Loads a sharded checkpoint into `model`, on whatever mesh it has now.
 
-    Every process calls it; each reads only the blocks it holds now. The
-    optimizer is built first if the checkpoint holds optimizer state and it
-    is not. Waits for this process's save in flight first.
+    Every process calls it; each reads only the blocks it holds now. First
+    waits for this process's save in flight, and builds the optimizer if the
+    checkpoint holds optimizer state.
 
     Args:
         model: A built Keras model: on one device, under a replicator,
@@ -448,20 +424,14 @@ def _plan(variable, reader) -> tuple:
 def to_weights(model, directory, filepath) -> None:
     """Converts a sharded checkpoint to a whole Keras `.weights.h5` file.
 
-    Loads the checkpoint into `model` (each process its blocks), then
-    `model.save_weights(filepath)`, which under `ModelParallel` gathers and
-    writes one variable at a time from the chief. Every process calls it.
-
-    Args:
-        model: A built model of the checkpoint's structure, on any mesh;
-            compiled if the checkpoint holds optimizer state.
-        directory: The sharded checkpoint.
-        filepath: The `.weights.h5` file to write.
+    Every process calls it, with a built `model` of the checkpoint's
+    structure on any mesh: `load`, then `model.save_weights(filepath)`, which
+    under `ModelParallel` gathers and writes one variable at a time from the
+    chief.
 
     Raises:
         ValueError: If `filepath` does not end in `.weights.h5`, or the
-            checkpoint holds optimizer state and `model` has no optimizer
-            (it would be dropped).
+            checkpoint holds optimizer state and `model` has no optimizer.
     """
     if not str(filepath).endswith(".weights.h5"):
         raise ValueError(
@@ -485,14 +455,9 @@ def to_weights(model, directory, filepath) -> None:
 def from_weights(model, filepath, directory) -> None:
     """Converts a whole Keras `.weights.h5` file to a sharded checkpoint.
 
-    `model.load_weights(filepath)` (each process cuts its blocks from the
-    file's arrays, one variable at a time), then a synchronous `save`.
-    Every process calls it.
-
-    Args:
-        model: A built model of the file's structure, on any mesh.
-        filepath: A `.weights.h5` file.
-        directory: The sharded checkpoint to write.
+    Every process calls it, with a built `model` of the file's structure on
+    any mesh: `model.load_weights(filepath)` (each process cuts its blocks,
+    one variable at a time), then a synchronous `save`.
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not optimizer.built:

@@ -1,9 +1,9 @@
 """A sharded checkpoint's commit across processes, and background saves.
 
-Barriers and the agreement at a save's start (in the caller's thread),
-the write of this process's part and process 0's commit of the index
-(in a background thread, polling files), and the handle of a save in
-flight. `checkpoint.py` says why the commit is the index's rename.
+The barriers at a save's start (in the caller's thread), the write of this
+process's part and process 0's commit of the index (in a background thread,
+polling files), and the handle of a save in flight. `checkpoint.py` says why
+the commit is the index's rename.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ _logger = logging.getLogger("keras_replicator")
 class CheckpointSave:
     """A save in flight: `wait()` blocks until its index is written.
 
-    Returned by `kr.save_checkpoint`. With `asynchronous=False` it is
-    already done.
+    Returned by `kr.save_checkpoint`; already done if `asynchronous=False`.
 
     Attributes:
         directory: The checkpoint directory.
@@ -43,8 +42,8 @@ class CheckpointSave:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._number = 0  # The save's barrier number (`agree`).
-        # Whether a complete checkpoint was there when it began (which an
-        # abandoned save leaves).
+        # Whether a complete checkpoint (an abandoned save leaves one) was
+        # there when it began.
         self._replaces = False
         self._processes = 1
         self._timeout = DEFAULT_TIMEOUT
@@ -68,15 +67,13 @@ class CheckpointSave:
     def _abandon(self) -> None:
         """Stops the write where it is; every process calls it.
 
-        For a save nobody will read: the backup that the end of `fit`
-        deletes next, whose write the fit would otherwise wait for. The
-        writer stops at its next block, 8 MB written or 16 MB checksummed,
-        and removes this process's files; process 0 commits
-        no index unless it already had, so the directory still holds the
-        previous complete checkpoint (or this one). Returns once every
-        process's writer has stopped (a barrier), so that no writer still
-        creates files in a folder that is being deleted. An error the
-        write met is dropped: nobody reads the save.
+        For a save nobody will read: the backup the end of `fit` deletes next.
+        The writer stops at its next block (8 MB written or 16 MB
+        checksummed) and removes this process's files; process 0 commits no
+        index unless it already had, so the directory keeps the previous
+        complete checkpoint (or this one). Returns after a barrier, once every
+        writer has stopped, so none creates files in a folder being deleted.
+        An error the write met is dropped.
         """
         self._stop.set()
         if self._thread is not None:
@@ -176,15 +173,11 @@ def commit(
 def agree(processes, timeout) -> int:
     """In the caller's thread: every process's previous save is done.
 
-    Over several processes a barrier: process 0 reaches it only after its
-    previous save committed its index (`wait_for_saves`), so every process
-    then reads the same index and names the new save alike. Barrier ids
-    are used once per cluster: the save's number among this cluster's
-    saves (every process makes them in the same order; a save of one
-    process alone does not count) keeps them apart.
-
-    Returns:
-        The save's number (0 in one process).
+    A barrier: process 0 reaches it only after its previous save committed
+    (`wait_for_saves`), so all then read the same index and name the save
+    alike. Returns the save's number among the cluster's saves (made in the
+    same order everywhere; 0, uncounted, in one process), which keeps
+    barrier ids (used once per cluster) apart.
     """
     if processes == 1:
         return 0
@@ -196,9 +189,8 @@ def agree(processes, timeout) -> int:
 def begin(directory, name, process, processes, timeout, number) -> None:
     """In the caller's thread: an empty folder for the save, seen by all.
 
-    Process 0 removes what a save that never committed (a crash) left
-    under this name; a barrier then makes sure nobody writes into the
-    folder before it is clean.
+    Process 0 removes what an uncommitted save (a crash) left under this
+    name; a barrier then keeps everyone from writing before it is clean.
     """
     folder = directory / name
     if process == 0:
@@ -223,11 +215,10 @@ def write(
 ):
     """Writes this process's part; process 0 then commits the index.
 
-    Runs in the background thread. The waits here poll files with sleeps
-    rather than the coordination service's barrier, which holds Python's
-    GIL while it waits and would stop this process's training meanwhile.
-    Raises `checkpoint_files.Abandoned` where `stop` is found set, before
-    the commit.
+    Runs in the background thread. Its waits poll files: the coordination
+    service's barrier holds Python's GIL while it waits, which would stop
+    training. Raises `checkpoint_files.Abandoned` where it finds `stop` set,
+    before the commit.
     """
     folder = directory / name
     checkpoint_files.write_part(folder, process, parts, stop)
@@ -267,13 +258,9 @@ def wait_for(condition, timeout, what, directory, stop=None) -> None:
 def yield_to_training() -> None:
     """Lowers this (writer) thread's CPU priority, where the OS allows it.
 
-    The writer's checksums and copies into the page cache compete with
-    the training step for the cores; at the lowest priority (nice 19) it
-    takes what the step leaves, so the step stays as fast as without a
-    save, and the save finishes as fast as without training once the
-    caller waits for it. Linux only: there a thread is a task of its own,
-    and `setpriority` on its id leaves the rest of the process as it was.
-    Elsewhere the writer runs at the process's priority.
+    At nice 19 the writer's checksums and copies take only the cores the
+    training step leaves. Linux only, where a thread is a task of its own and
+    `setpriority` on its id leaves the rest of the process as it was.
     """
     if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
         return
@@ -286,9 +273,9 @@ def yield_to_training() -> None:
 def start(handle, arguments, timeout, on_commit) -> None:
     """Writes and commits `handle`'s save in a background thread.
 
-    `arguments` are `write`'s first seven. Where the save is abandoned,
-    this process's files go; another error is kept for `handle.wait()`,
-    and said at once (a script may never wait for its last save).
+    `arguments` are `write`'s first seven. An abandoned save's files here
+    go; another error is kept for `handle.wait()` and logged at once (a
+    script may never wait for its last save).
     """
     directory, name, _, process = arguments[:4]
 

@@ -1,10 +1,9 @@
 """A sharded checkpoint's files: the format, the writer and the reader.
 
-`checkpoint.py` says what a checkpoint holds and why it is files of our
-own. Here: the index's format and version, a process's `process-<k>.bin`
-(written in order past the page cache) and its part of the index, each
-block's CRC-32, and the reader that memory-maps the blocks a box needs.
-Nothing here talks to another process (`checkpoint_commit.py` does).
+The index's format and version, a process's `process-<k>.bin` and part of
+the index, each block's CRC-32, and the reader that memory-maps the blocks a
+box needs (`checkpoint.py` says why files of our own). Nothing here talks to
+another process (`checkpoint_commit.py` does).
 """
 
 from __future__ import annotations
@@ -40,14 +39,11 @@ def checksum(array, stop=None) -> int:
 class DirectFile:
     """Writes a file's bytes in order past the page cache (`O_DIRECT`).
 
-    A background save writes hundreds of MB while training runs. Written
-    through the page cache, each page is allocated and copied by the
-    kernel, and the steps beside the writer slowed by several times the
-    writer's own CPU (benchmarks/RESULTS.md, "Backups"). With `O_DIRECT`
-    the bytes go from one page-aligned staging buffer to the disk. Where
-    the platform or the file system has no `O_DIRECT` (macOS, tmpfs on
-    older kernels), the same calls write through the page cache. The file
-    is the same either way: the bytes in order, nothing between them.
+    Through the page cache, the kernel's page copies for a background save's
+    hundreds of MB slowed the training steps beside it by several times the
+    writer's own CPU (benchmarks/RESULTS.md, "Backups"). Without `O_DIRECT`
+    (macOS, tmpfs on older kernels) the same calls use the page cache; the
+    file is the same.
     """
 
     _ALIGN = 4096  # Every disk's logical block size divides it.
@@ -151,9 +147,8 @@ def write_part(folder, process, parts, stop=None) -> None:
         for key, (entry, blocks) in parts.items():
             written = []
             for i, (begin, array) in enumerate(blocks):
-                # The snapshot is let go once written: a variable whose
-                # buffer no snapshot holds is updated in place, without
-                # TensorFlow's copy-on-write (`_snapshot`).
+                # Let go once written: a buffer no snapshot holds updates in
+                # place, without TensorFlow's copy-on-write (`_snapshot`).
                 blocks[i] = (begin, None)
                 check(stop)
                 raw = np.asarray(array, order="C")

@@ -1,64 +1,45 @@
 """Products by a sharded kernel that move activations, not the kernel.
 
-`sharded.gathered` makes a sharded kernel whole on every replica for the
-op that reads it: the full kernel is gathered (in the forward pass, and
-again in the rematerialised backward pass), the full kernel gradient is
-computed on every replica, all-reduced whole and only then cut to the
-block. For a Dense layer of an (in, out) kernel that is three transients of
-`in x out` values on every replica, and an all-reduce of as many.
+`sharded.gathered` gathers a sharded kernel whole on every replica (again in
+the rematerialised backward pass) and all-reduces its full gradient before
+cutting the block: for an (in, out) Dense kernel, three `in x out` transients
+per replica and an all-reduce of as many. Here `ops.matmul(x, kernel)`,
+`ops.matmul(x, ops.transpose(kernel))` (tied logits) and `ops.einsum(equation,
+x, kernel)` (Dense, EinsumDense, keras-hub's attention and feed-forward layers)
+by a sharded kernel are one op with its own gradient, taking one of two paths
+by the step's rows. It chooses when traced if the batch shape is known (the
+same on every replica, as Keras splits a global batch) or `batch_hint` gives
+it, else in the graph (`tf.cond` on the gathered row counts, tracing both
+paths):
 
-Here `ops.matmul(x, kernel)`, `ops.matmul(x, ops.transpose(kernel))` (a
-tied embedding's logits) and `ops.einsum(equation, x, kernel)` (Dense,
-EinsumDense, keras-hub's attention and feed-forward layers) by a sharded
-kernel are one op with its own gradient, and take one of two paths, chosen
-by the step's rows: when traced if the batch's shape is known then (the
-same on every replica, as Keras splits a global batch), or if Keras' loop
-was given the global batch size of array data (`batch_hint`: a full batch's
-rows; a smaller last batch takes the same path, which is as exact), else
-in the graph (`tf.cond` on the gathered row counts, the same on every
-replica, at the cost of tracing both paths):
+- **Activations move** when the mesh's rows are no more bytes than the kernel
+  (`N x rows x (row of x + row of y)` in the compute dtype, the kernel in its
+  stored dtype: small batches). Every replica gathers all rows of `x` (`X`;
+  only the columns its block contracts) and contracts them with its block;
+  one all-to-all gives each replica its rows of every product, side by side
+  (summed where the kernel splits the contraction). Where the kernel splits
+  the output over all N replicas, a ring all-reduce of the whole output
+  would send 2N times the bytes (less where blocks have copies). Backward,
+  output gradients gather likewise (`dY`): each replica's block gradient
+  comes from `X` and `dY`, rows weighted as the step's gradient rule weighs
+  their replica's examples (`gradients.replica_weights`: the block is what
+  `gradients.mean_gradients` makes of the full gradients), and the input
+  gradient is exchanged as the output is. No full kernel or kernel gradient
+  exists anywhere.
+- **The kernel moves** otherwise: gathered for the product and again in the
+  backward pass (no rematerialisation needed), its full gradient averaged
+  and cut to the block, as `sharded.gathered` does.
 
-- **Activations move** when the whole mesh's rows are fewer bytes than the
-  kernel (`N x rows x (row of x + row of y)` in the compute dtype `<=` the
-  kernel in its stored dtype: a language model's or an MLP's small batches;
-  under mixed precision rows are 16-bit, the kernel float32). Every replica
-  gathers every replica's rows of `x` (`X`; only the columns its block
-  contracts, where the kernel splits them), contracts them with its own
-  block, and the replicas exchange their products in one all-to-all: each
-  sends every other that replica's rows, and puts the blocks it gets side
-  by side (summing them where the kernel splits the contraction). Where
-  the kernel splits the output over all N replicas, a ring all-reduce of
-  the whole mesh's output would send 2N times the bytes (less where
-  blocks have copies, or the contraction is split). In the backward pass
-  the output gradients are gathered the same way (`dY`, each replica's
-  block of columns): each replica computes its block's gradient from `X`
-  and `dY` directly, each replica's rows weighted as the step's gradient
-  rule weighs its examples (`gradients.replica_weights`, so the block
-  equals what `gradients.mean_gradients` makes of the full gradients),
-  and the input
-  gradient is the sum of the blocks' products, exchanged as the output
-  is. No full kernel and no full kernel gradient exists anywhere; the
-  transients are the mesh's rows.
-- **The kernel moves** otherwise (many rows): the full kernel is gathered
-  for the product and gathered again in the backward pass (so the layer
-  needs no rematerialisation), and its full gradient is averaged and cut
-  to the block, as `sharded.gathered` does.
+An embedding lookup (`ops.take(table, ids, axis=0)`) of a sharded table
+always moves rows (`lookup`): the ids are far fewer values than the table.
 
-An embedding lookup (`ops.take(table, ids, axis=0)`, Keras' `Embedding`)
-of a sharded table always moves rows (`lookup`): the ids of the mesh are
-far fewer values than a table worth sharding.
-
-Each output element is the same contraction one device computes; only the
-order of floating-point sums may differ, as in any all-reduce. What takes
-this path: a dense `x` whose first dimension is the batch (not a kernel
-dimension) and whose trailing dimensions are the same on every replica
-(as Keras splits a global batch), in a traced step (not eagerly), in a
-compute dtype of float32, float64, bfloat16 or float16 (other dtypes take
-the kernel-moving path). A 16-bit product whose contraction the kernel
-splits is computed and summed over the replicas in float32 and rounded
-once, as one device's single product is (mixed precision: float32
-weights, 16-bit products); disjoint blocks are put side by side in 16
-bits, exactly. Anything else is left to the stock op and `sharded.gathered`.
+Each output element is one device's contraction, up to the order of float
+sums. Taken only for a dense `x` whose first dimension is the batch and whose
+trailing dimensions match on every replica, in a traced step, in float32,
+float64, bfloat16 or float16 (others move the kernel); anything else is left
+to the stock op and `sharded.gathered`. A 16-bit product whose contraction
+the kernel splits is summed in float32 and rounded once, as one device's
+single product is; disjoint blocks are put side by side in 16 bits, exactly.
 """
 
 from __future__ import annotations
@@ -76,25 +57,22 @@ from keras_replicator._src.core import placements
 from keras_replicator._src.sharding import sharded
 from keras_replicator._src.upstream import record
 
-# Names the check that fails where a replica's rows have other trailing
-# dimensions than another's (`_Rows`): the error names it.
+# Names the check (`_Rows`) that fails where replicas' rows have other
+# trailing dimensions: the error shows it.
 _OTHER_TRAILING_DIMENSIONS = (
     "ModelParallel_rows_of_other_trailing_dimensions_on_another_replica_"
     "pad_every_replicas_batches_to_one_shape"
 )
 
-# Compute dtypes whose activations can move. A 16-bit product split along
-# its contraction is computed and summed over the replicas in float32
-# (`widened`), so it is rounded to 16 bits once, not once per part.
+# Compute dtypes whose activations can move (16-bit ones `widened`).
 _MOVING_DTYPES = frozenset({tf.float16, tf.bfloat16, tf.float32, tf.float64})
 
 
 class Transposed:
     """`ops.transpose(kernel)` of a sharded 2-D kernel, not yet gathered.
 
-    A tied embedding's logits are `ops.matmul(x, ops.transpose(table))`:
-    `matmul` takes this view as the table transposed. Anything else that
-    reads it converts it to a tensor: the gathered table, transposed.
+    `matmul` takes it for tied logits (`ops.matmul(x, ops.transpose(t))`);
+    anything else converts it to the gathered table, transposed.
     """
 
     def __init__(self, variable: Any):
@@ -156,11 +134,10 @@ def in_step(variable: Any):
 def parse(equation: str, kernel_rank: int) -> tuple | None:
     """`(x, kernel, output)` labels of a contraction this module takes.
 
-    None unless `equation` contracts an `x` with a kernel of rank
-    `kernel_rank` as a dense layer does, with `x`'s first dimension a batch
-    dimension: each label appears once per operand, a kernel label in `x`
-    or in the output but not both, an `x` label not in the kernel in the
-    output, and no ellipsis.
+    None unless `equation` contracts `x` with a rank-`kernel_rank` kernel as
+    a dense layer does, `x`'s first dimension a batch one: each label once
+    per operand, a kernel label in `x` or in the output but not both, an `x`
+    label not in the kernel in the output, no ellipsis.
     """
     if not isinstance(equation, str) or "..." in equation:
         return None
@@ -216,22 +193,13 @@ def read_dtype(variable) -> tf.DType:
 class _Rows:
     """The mesh's rows in a replica step: gathered, exchanged and summed.
 
-    Every replica's rows of a tensor are gathered padded with zeros to the
-    most any replica has (`most`), in replica order. Where each replica
-    needs only its own block of them (the kernel splits their columns), or
-    only its own rows of a result, the replicas exchange exactly that, in
-    one all-to-all (`collectives.all_to_all_equal`), instead of gathering
-    or summing the whole mesh's rows. Made once per op, in its forward
-    pass: one gather carries every replica's row count and gradient weight
-    (`gradients.replica_weights`), unless `exchange` is false: an op whose
-    rows never move (the kernel moves, chosen when traced) needs only this
-    replica's own weight, and takes no collective for it.
-
-    The same gather carries each replica's values per row (`row_size`):
-    rows are gathered and exchanged as equal flat pieces, so a replica
-    whose rows have other trailing dimensions (a custom loop's own padding
-    per replica) would misplace every value after them. It fails instead,
-    on every replica at once, saying so.
+    Rows are gathered in replica order, zero-padded to the most any replica
+    has (`most`); where a replica needs only its block of columns, or its own
+    rows of a result, one all-to-all exchanges just that. Made once per op,
+    forward: one gather carries every replica's row count, gradient weight
+    and values per row (none if `exchange` is false: the kernel moves). Rows
+    travel as equal flat pieces, so other trailing dimensions on one replica
+    (a custom loop's padding) fail on every replica rather than misplace.
     """
 
     def __init__(self, ctx, placement, rows, row_size, exchange=True):
@@ -251,13 +219,12 @@ class _Rows:
             ctx, tf.stack([tf.cast(rows, tf.float32), self.weight, row_size])
         )
         meta = tf.reshape(meta, [self.replicas, 3])
-        # Not `tf.debugging.assert_*`: an `Assert` is a stateful op without
-        # a resource input, and `tf.function` runs all of those in the
-        # order they were traced, across replicas: replica 1's check would
-        # wait for ops replica 0 traced after its own gathers, which wait
-        # for replica 1's: a deadlock. `EnsureShape` is stateless: its
-        # input, named for the error it raises, has one value where any
-        # replica's rows differ.
+        # Not `tf.debugging.assert_*`: `tf.function` runs stateful ops
+        # without a resource input (an `Assert`) in traced order across
+        # replicas, so replica 1's check would wait for ops replica 0 traced
+        # after its gathers, which wait for replica 1's: a deadlock.
+        # `EnsureShape` is stateless; its input, named for the error, has one
+        # value where any replica's rows differ.
         differ = tf.reduce_any(tf.not_equal(meta[:, 2], row_size))
         check = tf.ensure_shape(
             tf.fill(
@@ -271,8 +238,7 @@ class _Rows:
         self.counts = tf.cast(meta[:, 0] + tf.reduce_sum(check), tf.int32)
         # At least one row: TensorFlow's CPU all-to-all fails on no values.
         self.most = tf.maximum(tf.reduce_max(self.counts), 1)
-        # Per gathered row: its replica's gradient weight, and whether it
-        # is a row (not padding).
+        # Per gathered row: its replica's gradient weight; not padding.
         self.row_weights = tf.repeat(meta[:, 1], self.most)
         self.valid = tf.reshape(
             tf.range(self.most)[None, :] < self.counts[:, None], [-1]
@@ -296,9 +262,8 @@ class _Rows:
     def gather_cut(self, t, cut):
         """`cut(self.gather(t), self.replica)`, each replica sent its cut.
 
-        `cut(t, replica)`: replica `replica`'s block of `t`'s columns.
-        Each replica sends every other its cut of this replica's rows, in
-        one all-to-all: 1/N of what a gather moves.
+        `cut(t, replica)`: replica `replica`'s block of `t`'s columns. One
+        all-to-all: 1/N of what a gather moves.
         """
         padded = self._padded(t)
         pieces = tf.stack([cut(padded, r) for r in range(self.replicas)])
@@ -314,15 +279,10 @@ class _Rows:
     def summed_own(self, part, slices):
         """This replica's rows of the replicas' parts, placed and summed.
 
-        `part`: this replica's product over the gathered rows (`N x most`
-        of them, in replica order). `slices(replica)`: `(axis, begin, size,
-        full)` of replica `replica`'s part in the whole. Each replica sends
-        every other that replica's rows of its part (one all-to-all), and
-        places and sums what it gets, one distinct block once each (not
-        its copies). Blocks that tile the output are put side by side;
-        overlapping ones (a split contraction) are summed in `part`'s
-        dtype, where a 16-bit product comes in float32 (`widened`), in
-        replica order.
+        `part`: this replica's product over the `N x most` gathered rows;
+        `slices(r)`: `(axis, begin, size, full)` of replica `r`'s part. After
+        one all-to-all each distinct block is placed once: side by side if
+        they tile the output, else summed in replica order in `part`'s dtype.
         """
         pieces = tf.reshape(
             part, tf.concat([[self.replicas, self.most], tf.shape(part)[1:]], 0)
@@ -350,11 +310,7 @@ class _Rows:
         return whole[: self.rows]
 
     def weighted(self, t):
-        """`t`'s gathered rows, each times its replica's gradient weight.
-
-        The weights are float32: a 16-bit `t` is weighted in float32 and
-        rounded once.
-        """
+        """`t`'s gathered rows times their replica's weight (16-bit: in f32)."""
         wire = _wire(t.dtype)
         weights = tf.cast(self.per_row(self.row_weights, t), wire)
         return tf.cast(tf.cast(t, wire) * weights, t.dtype)
@@ -366,11 +322,10 @@ def contract(
     """`einsum(equation, x, variable)` for a sharded `variable`, in its step.
 
     `equation` must pass `labels`. `product(x, kernel)` is the op one device
-    runs (Keras' own `matmul` or `einsum`; default `tf.einsum`): the blocks
-    are multiplied, and differentiated, by the same op, so that each output
-    element and each block of the weight gradient is the one device's to
-    the bit where the op computes a block of columns as it computes them in
-    the whole (as `tf.matmul` does on the CPU; `tf.einsum` does not).
+    runs (Keras' `matmul` or `einsum`; default `tf.einsum`), used for the
+    blocks and their gradients: outputs and weight-gradient blocks are one
+    device's to the bit where the op computes a block of columns as in the
+    whole (`tf.matmul` on the CPU does; `tf.einsum` does not).
     """
     if product is None:
 
@@ -405,15 +360,13 @@ def contract(
             for n, label in zip(full, k_labels, strict=True)
             if label in out_labels
         )
-        # Bytes, not values: under mixed precision rows are 16-bit and the
-        # kernel float32 (the same sizes: the rule in values).
+        # Bytes: under mixed precision rows are 16-bit, the kernel float32.
         kernel_bytes = math.prod(full) * stored.dtype.size
         rows = x.shape[0]
         if rows is None and x.shape[1:].is_fully_defined():
             rows = _hinted_rows(ctx)
         if rows is not None and x.shape[1:].is_fully_defined():
-            # Rows known when traced: the same on every replica (Keras
-            # splits a global batch), so is the choice; no `tf.cond`.
+            # Known when traced, the same on every replica: no `tf.cond`.
             x_row = math.prod(x.shape[1:])
             moving = (
                 replicas
@@ -426,8 +379,7 @@ def contract(
             moving = None  # Decided in the graph, from the row counts.
     else:
         moving = False
-    # Where the kernel moves (chosen when traced), no rows are gathered,
-    # and neither are their counts.
+    # Where the kernel moves (chosen when traced), no row counts gather.
     row_size = tf.reduce_prod(tf.shape(x)[1:])
     mesh = _Rows(
         ctx, placement, tf.shape(x)[0], row_size, exchange=moving is not False
@@ -441,10 +393,7 @@ def contract(
     begin = placement.begin(mesh.replica)
 
     def slices(axis_labels, replica=None):
-        """Per axis split by the kernel: (axis, begin, size, full).
-
-        Of `replica`'s block (default: this replica's).
-        """
+        """`(axis, begin, size, full)` per kernel axis of `replica`'s block."""
         start = begin if replica is None else placement.begin(replica)
         out = []
         for axis, label in enumerate(axis_labels):
@@ -478,13 +427,7 @@ def contract(
     wide = _wire(dtype)
 
     def widened(along, *tensors):
-        """`tensors` in float32 if 16-bit and the kernel splits `along`.
-
-        A 16-bit product whose contraction the kernel splits is computed
-        and summed over the replicas in float32 and rounded once, as one
-        device's single product rounds once; otherwise each part is one
-        device's own columns, in its dtype.
-        """
+        """`tensors` in float32 if 16-bit and the kernel splits `along`."""
         if wide != dtype and split(along):
             return [tf.cast(t, wide) for t in tensors]
         return list(tensors)
@@ -509,16 +452,14 @@ def contract(
             def moving_backward():
                 x_in = rows_of_all(x, x_labels)
                 dy_all = rows_of_all(dy, out_labels)
-                # dx contracts the output's labels, d_block the rows (all
-                # of them here, as on one device).
+                # d_block contracts all the rows, as on one device.
                 _, d_block = _gradients(
                     product, x_in, block, mesh.weighted(dy_all)
                 )
                 if not needs_dx:
-                    # No tape differentiates `x` (a model's input data):
-                    # its gradient is never read, so neither its product
-                    # nor its sum runs (a collective always would), as one
-                    # device's unused gradient is pruned.
+                    # `x`'s gradient is never read (input data): skip its
+                    # product and sum (a collective always runs), as one
+                    # device prunes an unused gradient.
                     return tf.zeros_like(x), tf.cast(d_block, raw.dtype)
                 dx_part, _ = _gradients(
                     product, *widened(out_labels, x_in, block, dy_all)
@@ -528,9 +469,8 @@ def contract(
 
             def kernel_backward():
                 dx, d_kernel = _gradients(product, x, gathered_kernel(raw), dy)
-                # `gradients.mean_gradients`' average, in one collective
-                # that may sit in a `tf.cond` branch.
-                # A 16-bit kernel's (bfloat16 weights) in float32.
+                # `gradients.mean_gradients`' average in one collective (it
+                # may sit in a `tf.cond` branch); a 16-bit kernel's in float32.
                 wire = _wire(raw.dtype)
                 d_kernel = tf.cast(d_kernel, wire)
                 own_weight = tf.cast(mesh.weight, wire)
@@ -545,10 +485,9 @@ def contract(
 
         return y, grad
 
-    # Whether `x`'s gradient can be asked for: false for a model's input
-    # data under a tape (Keras' steps, custom loops), which records only
-    # what depends on what it watches. With no tape at all, `tf.gradients`
-    # may differentiate the graph: then every gradient is kept.
+    # False for a model's input data under a tape (Keras' steps, custom
+    # loops), which records only what depends on what it watches. With no
+    # tape, `tf.gradients` may differentiate the graph: keep every gradient.
     needs_dx = not record.could_possibly_record() or (
         record.should_record_backprop([x])
     )
@@ -558,18 +497,13 @@ def contract(
 def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
     """`ops.take(variable, ids, axis=0)` for a sharded 2-D table, or None.
 
-    Rows move, never the table: every replica's ids are gathered, each
-    replica looks up the ids its block of rows holds (its columns of
-    them), and each replica gets every replica's lookups of its own rows
-    (one all-to-all) and sums them (one nonzero per element: exact). The
-    gradient
-    is sparse, as one device's: this block's rows of every replica's
-    output gradients, in replica order, each weighted as `mean_gradients`
-    weighs its replica, with their ids (an id's repeats kept). An id
-    outside the table reads zeros, where one device's CPU lookup fails.
-
-    None (the caller reads the table whole) for ids that are not a dense
-    integer tensor of rank 1 or more.
+    Each replica looks up the gathered ids its block holds; one all-to-all
+    gives each its rows of every lookup, summed (one nonzero per element:
+    exact). The gradient is sparse, as one device's: this block's rows of
+    every output gradient, weighted as `mean_gradients` weighs their replica,
+    with their ids (repeats kept). An id outside the table reads zeros (one
+    device's CPU lookup fails). None (read the table whole) unless `ids` is
+    a dense integer tensor of rank 1 or more.
     """
     placement = placements.of(variable)
     if len(placement.full_shape) != 2:
@@ -644,13 +578,11 @@ _BATCH_ATTR = "_keras_replicator_global_batch"
 def batch_hint(strategy, global_batch: int | None):
     """Products traced meanwhile take the path a full batch's rows pick.
 
-    For array data Keras knows the global batch (`batch_size`), but its
-    traced step does not: the batch dimension is None, because the last
-    batch may be smaller. With the hint, a product whose other dimensions
-    are known chooses its path when traced, from a full batch's rows per
-    replica (`ceil(global_batch / replicas)`), instead of tracing both
-    paths under a `tf.cond`. Every process of a job gets the same
-    `batch_size`, so every replica takes the same path.
+    Keras knows array data's `batch_size`, but its traced step has a None
+    batch dimension (the last batch may be smaller, and takes the same path,
+    as exactly). With the hint, a product whose other dimensions are known
+    chooses when traced, from `ceil(global_batch / replicas)` rows; every
+    process gets the same `batch_size`, so every replica takes the same path.
     """
     previous = getattr(strategy, _BATCH_ATTR, None)
     setattr(strategy, _BATCH_ATTR, global_batch)

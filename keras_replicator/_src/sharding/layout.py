@@ -1,15 +1,14 @@
 """Where each slice of a laid-out variable lives: pure arithmetic on a mesh.
 
-A Keras `TensorLayout` names, for each dimension of a variable, the mesh
-axis it is split over (or None: not split). On a mesh of shape `(2, 4)`
-with axes `("batch", "model")`, a `(784, 200)` kernel laid out
-`(None, "model")` is cut into 4 column blocks of `(784, 50)`; the device at
-mesh coordinates `(b, m)` holds block `m`, so each block lives on the 2
-devices that differ only along `"batch"`.
+A Keras `TensorLayout` names, per dimension of a variable, the mesh axis it
+is split over (or None). On a `(2, 4)` mesh with axes `("batch", "model")`, a
+`(784, 200)` kernel laid out `(None, "model")` is cut into 4 `(784, 50)`
+column blocks; the device at mesh coordinates `(b, m)` holds block `m`, so
+each block lives on the 2 devices that differ only along `"batch"`.
 
-Devices are numbered in the mesh's flat (row-major) order, which is the
-replica order of the replicator that runs the mesh (`runtime.py`), so
-replica `r` holds the block at `numpy.unravel_index(r, mesh.shape)`.
+Devices are numbered in the mesh's flat (row-major) order, the replica order
+of the replicator that runs the mesh (`runtime.py`): replica `r` holds the
+block at `numpy.unravel_index(r, mesh.shape)`.
 """
 
 from __future__ import annotations
@@ -26,14 +25,9 @@ import tensorflow as tf
 class Placement:
     """How one variable is split over the devices of a mesh.
 
-    Attributes:
-        path: The variable's path (for messages).
-        full_shape: The variable's shape.
-        mesh_shape: The mesh's shape.
-        axis_names: The mesh's axis names.
-        dim_axes: For each dimension of the variable, the index of the mesh
-            axis it is split over, or None.
-        devices: The mesh's device names in flat order (replica order).
+    `dim_axes[d]`: the index of the mesh axis dimension `d` is split over, or
+    None. `devices`: the mesh's device names in flat (replica) order. `path`
+    is for messages.
     """
 
     path: str
@@ -79,9 +73,8 @@ class Placement:
     def block(self, full, replica: int):
         """Replica `replica`'s block of `full`: an array, dataset or tensor.
 
-        A NumPy array gives a view; an h5py dataset reads the block only; a
-        file's memory map (`sharded.mapped_dataset`) gives a copy of the
-        block, read so that the file's pages do not stay in this process
+        A NumPy array gives a view, an h5py dataset reads the block only, a
+        file's memory map (`sharded.mapped_dataset`) gives a copy
         (`_copy_from_map`).
         """
         begin = self.begin(replica)
@@ -96,19 +89,13 @@ class Placement:
         return tf.slice(full, begin, self.local_shape)
 
     def assemble(self, blocks: tf.Tensor) -> tf.Tensor:
-        """The full variable from every replica's block.
+        """The full variable from `blocks`, every replica's, in replica order.
 
-        Args:
-            blocks: A tensor of shape `(num_devices, *local_shape)`: the
-                blocks in replica order (what an all-gather returns).
-
-        Returns:
-            A tensor of `full_shape`.
+        `blocks` has shape `(num_devices, *local_shape)`, as an all-gather's.
         """
         rank = len(self.full_shape)
         grid = tf.reshape(blocks, [*self.mesh_shape, *self.local_shape])
-        # One copy of each block: index 0 along the mesh axes no dimension
-        # is split over.
+        # One copy of each block: index 0 along the mesh axes not used.
         used = [a for a in self.dim_axes if a is not None]
         begin = [0] * (len(self.mesh_shape) + rank)
         size = [
@@ -136,24 +123,13 @@ def _describe(path, shape, axes, mesh) -> str:
 
 
 def placement(path: str, shape, layout, mesh) -> Placement:
-    """Checks `layout` for a variable and returns its `Placement`.
-
-    Args:
-        path: The variable's path.
-        shape: The variable's full shape.
-        layout: A `keras.distribution.TensorLayout` (or a tuple of axes).
-        mesh: The `keras.distribution.DeviceMesh` the variable lives on.
-
-    Returns:
-        A `Placement`.
+    """The `Placement` of `layout` (a `TensorLayout` or axes) on `mesh`.
 
     Raises:
         ValueError: If the layout has more entries than the variable has
-            dimensions (fewer leave the rest whole, as on JAX), names an
-            axis the mesh lacks, names one axis twice, or splits a
-            dimension by an axis size that does not divide it.
-        NotImplementedError: If a dimension is split over several mesh axes
-            at once.
+            dimensions, names an axis the mesh lacks or one axis twice, or
+            splits a dimension by an axis size that does not divide it.
+        NotImplementedError: If a dimension is split over several mesh axes.
     """
     axes = tuple(getattr(layout, "axes", layout))
     shape = tuple(int(d) for d in shape)
@@ -165,9 +141,8 @@ def placement(path: str, shape, layout, mesh) -> Placement:
             f"variable {len(shape)} dimensions. "
             + _describe(path, shape, axes, mesh)
         )
-    # As JAX reads a shorter layout (a `PartitionSpec`): the dimensions it
-    # does not name stay whole (`("model",)` for a 2-D variable splits its
-    # rows only).
+    # As JAX reads a short `PartitionSpec`: unnamed dimensions stay whole
+    # (`("model",)` splits a 2-D variable's rows only).
     axes = axes + (None,) * (len(shape) - len(axes))
     dim_axes = []
     for axis in axes:
@@ -216,13 +191,11 @@ _MAP_CHUNK_BYTES = 8 << 20
 def _copy_from_map(full: np.memmap, index: tuple[slice, ...]) -> np.ndarray:
     """A block of a file's memory map, copied; the file's pages let go.
 
-    A block that splits a row (a table cut along its hidden size) reads a
-    part of every page of the rows it spans: sliced as it is, the whole
-    table's pages would be resident in this process (and count in its
-    memory) until the map is closed. The block is copied a few MiB of rows
-    at a time instead, and the pages of those rows are released at once
-    (`madvise(MADV_DONTNEED)`: a read-only file map reads them again from
-    the file if touched, so nothing changes but the memory held).
+    A block that splits rows (a table cut along its hidden size) touches every
+    page of the rows it spans, which would stay resident (and count in this
+    process's memory) until the map closes. So it is copied a few MiB of rows
+    at a time, releasing their pages with `madvise(MADV_DONTNEED)`: a
+    read-only file map rereads them from the file if touched.
     """
     view = full[index]
     out = np.empty(view.shape, view.dtype)

@@ -1,61 +1,32 @@
 """Optimizer state sharded over the replicas (ZeRO stage 1), opt-in.
 
-Under `LocalReplicator(shard_optimizer_state=True)` (or the same argument
-of `MultiWorkerReplicator`) each replica keeps 1/N
-of every per-weight optimizer variable (Adam's two slots, SGD's momentum,
-RMSprop's average, gradient accumulators) instead of a full copy: for a
-model variable of `size` elements, a flat shard of `ceil(size / N)`
-elements (the last one zero-padded). Such a variable is a `SyncOnRead`
-variable whose replica components differ: component `r` holds elements
-`[r * k, (r + 1) * k)` of the flattened variable, block `r` of its
-`flat_placement`, so `sharding/sharded.py` gathers and assigns it as it
-does ModelParallel's blocks. Keras' hooks are `patches/shard_state.py`.
+Under `shard_optimizer_state=True` (`LocalReplicator`, `MultiWorkerReplicator`)
+each replica keeps 1/N of every per-weight optimizer variable (Adam's slots,
+SGD's momentum, accumulators): a flat shard of `ceil(size / N)` elements (the
+last zero-padded), block `r` of its `flat_placement` on replica `r`. Keras'
+hooks are `patches/shard_state.py`.
 
-Per update (`replica_mean` calls `apply` here, in replica context, with the
-gradients already averaged once as in every Keras step):
+Per update (`replica_mean` calls `apply` in replica context, gradients averaged
+once as in every Keras step): `clipnorm` / `global_clipnorm` clip the FULL
+gradients (global norms); each replica runs the optimizer's unchanged `apply`
+on its slice of every gradient and weight (a "shadow" variable of the shard's
+shape), exact as on one device since `update_step`, weight decay, learning-rate
+schedules and gradient accumulation act element by element; bucketed
+all-gathers of the shards, per dtype, rebuild the weights, each replica
+assigning its own copy (no `merge_call`).
 
-1. `clipnorm` / `global_clipnorm` clip the FULL averaged gradients, so the
-   norms are the global ones; a shard's norm is then below the threshold
-   and Keras' own clipping of the shard leaves it unchanged.
-2. Each replica takes its slice of every gradient and of every weight (the
-   weight slice goes into a "shadow" variable of the shard's shape) and
-   runs the optimizer's own, unchanged `apply` on the slices: Keras'
-   `update_step`, weight decay, learning-rate schedules and gradient
-   accumulation all act element by element, so a slice is updated exactly
-   as the same elements are on one device.
-3. All-gathers (`collectives.all_gather_equal`) of the updated shards, in
-   buckets of `BUCKET_BYTES` of shard bytes (within runs of one dtype),
-   each after the previous bucket's assignments, assemble the weights;
-   each replica assigns its own copy (no `merge_call`). A shard of at
-   least `BUCKET_BYTES` (a variable of N times that) is a bucket of its
-   own, and its gathered buffer becomes the variable's value, with no
-   copy. (One packed gather per dtype, as before this layout, needed the
-   pack, the gathered pack and the split-out variables at once: in
-   `benchmarks/memory.py` at 4 replicas, peak RSS fell from about 1340 MB
-   to about 1230 MB with this and the bucketed all-reduce below.)
+The gradients' reduce-scatter is EMULATED: each gradient is all-reduced in
+full (bucketed) and each replica slices its part. TensorFlow's
+`CollectiveReduceScatterV2` has no CPU implementation (on TensorFlow 2.21:
+"did not find collective implementation undef"); NCCL's on GPUs is unused,
+as it cannot be tested here.
 
-The reduce-scatter of the gradients is EMULATED: each gradient is
-all-reduced in full (as without sharding, but in buckets of
-`BUCKET_BYTES` of gradient bytes: a large gradient alone and in place,
-small ones packed), and each replica slices its part. TensorFlow's
-`CollectiveReduceScatterV2` has no CPU implementation (on TensorFlow 2.21
-it fails with "did not find collective implementation undef"); NCCL
-implements it on GPUs, but that path cannot be tested here, so it is not
-used. The wire carries the all-reduce plus the all-gathers of the weights
-per step.
-
-Checkpoints hold the full, unsharded state: `save_own_variables` (used by
-`model.save_weights`, `model.save`, `ModelCheckpoint` and
-`BackupAndRestore`) concatenates the replicas' shards, and
-`load_own_variables` splits full arrays into this replicator's shards, so
-a checkpoint restores on any replica count, sharded or not.
-
-Refused, with a `ValueError` when the optimizer is built: optimizers whose
-update is not element by element or that are not tested here (anything
-but the classes in `SUPPORTED`; e.g. `Adafactor`'s factored state, `Lamb`'s
-per-variable trust ratio), `use_ema`, `loss_scale_factor`,
-and `LossScaleOptimizer`. Under `MultiWorkerReplicator` saving and loading
-are collectives: every worker must save and load (`fit`'s callbacks do).
+Checkpoints hold the full state (`save_own_variables` concatenates the
+shards, `load_own_variables` splits), so they restore on any replica count,
+sharded or not; under `MultiWorkerReplicator` both are collectives every
+worker joins (`fit`'s callbacks do). Refused with a `ValueError` when the
+optimizer is built: any class but `SUPPORTED`, `use_ema`,
+`loss_scale_factor`, `LossScaleOptimizer`.
 """
 
 from __future__ import annotations
@@ -72,14 +43,12 @@ from keras_replicator._src import collectives
 from keras_replicator._src.sharding import layout
 from keras_replicator._src.sharding import sharded
 
-# Exact classes whose `update_step` is element by element and that the
-# tests compare with one device. A subclass may override `update_step`, so
-# it is refused too.
-# Their per-weight state comes from `add_variable_from_reference`; other
-# state (Nadam's `u_product`, the iteration count) is one scalar, the same
-# on every replica. `Lamb` (a trust ratio per variable), `Muon`
-# (orthogonalised matrices), `Adafactor` (factored state) and
-# `ScheduleFreeAdamW` (not compared here) are refused.
+# Exact classes (a subclass may override `update_step`), element by element
+# and compared with one device by the tests. Per-weight state comes from
+# `add_variable_from_reference`; other state (Nadam's `u_product`, the
+# iteration count) is one scalar alike on every replica. Refused: `Lamb`
+# (trust ratios), `Muon` (orthogonalised matrices), `Adafactor` (factored
+# state), `ScheduleFreeAdamW` (not compared here).
 SUPPORTED = (
     keras.optimizers.SGD,
     keras.optimizers.Adam,
@@ -93,20 +62,15 @@ SUPPORTED = (
     keras.optimizers.Lion,
 )
 
-# A sharded optimizer's collectives go out in buckets of this many bytes
-# (`collectives.buckets`): a gradient or weight shard at least this large
-# alone, smaller ones packed together. One pack of everything would hold a
-# second, concatenated copy of every gradient in each replica beside the
-# gradients (and of every gathered weight beside the split-out variables);
-# alone, a gradient is all-reduced in place and a gathered shard becomes
-# its variable's value. Packing the small ones keeps the number of
-# collectives near the number of large variables. (Measured in
-# `benchmarks/memory.py`: the packs were the largest part of the peak.)
+# Collectives go out in buckets of this many bytes (`collectives.buckets`):
+# a gradient or shard this large alone (all-reduced in place; gathered as its
+# variable's value, no copy), smaller ones packed. One pack per dtype held a
+# second copy of everything: at 4 replicas in `benchmarks/memory.py`, buckets
+# cut peak RSS from about 1340 MB to about 1230 MB.
 BUCKET_BYTES = 4 * 2**20
 
-# optimizer -> its `_Shards`. Kept outside the optimizer so that Keras'
-# attribute tracking does not add the shadows to `optimizer.variables`
-# (which checkpoints save).
+# optimizer -> its `_Shards`. Outside the optimizer, so that Keras' tracking
+# does not add the shadows to `optimizer.variables` (which checkpoints save).
 _SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -135,14 +99,11 @@ def is_sharded(optimizer) -> bool:
 
 
 def check_stock_apply(optimizer) -> None:
-    """Refuses an update outside a one-device-convention replica step.
+    """Refuses a sharded `optimizer`'s stock update (`ValueError`).
 
-    A sharded optimizer's slots are shards; the stock update (in the
-    user's own `strategy.run`, under `wrap_optimizer`, in cross-replica
-    context) would pair them with full weights.
-
-    Raises:
-        ValueError: If `optimizer` is sharded.
+    Outside a one-device-convention replica step (the user's own
+    `strategy.run`, `wrap_optimizer`, cross-replica context) it would pair the
+    shards with full weights.
     """
     if is_sharded(optimizer):
         raise ValueError(
@@ -165,15 +126,10 @@ def _on_read(next_creator, **kwargs):
 def flat_placement(shape, num_replicas: int) -> layout.Placement:
     """Where a variable of `shape`'s flat shards live: one block storage.
 
-    The variable, flattened and zero-padded to `k * num_replicas` elements
-    (`k = ceil(size / num_replicas)`), split along its one axis over a mesh
-    of the replicas: the same `layout.Placement` ModelParallel's blocks
-    have, so the shards are cut (`Placement.block`), gathered and assigned
-    (`sharded.blocks_value`, `sharded.assign_blocks`) by the code that
-    serves ModelParallel. The container differs (a `SyncOnRead` variable
-    of shape `(k,)`, which the optimizer updates as a variable of its own;
-    ModelParallel's Keras variable keeps its full shape), for the reasons
-    `docs/design.md`'s "Block storage, probed" records.
+    A `layout.Placement` like ModelParallel's, so `sharded.py` cuts, gathers
+    and assigns both. Only the container differs: a `SyncOnRead` variable of
+    shape `(k,)` the optimizer updates as its own, where ModelParallel's keeps
+    its full shape (why: `docs/design.md`, "Block storage, probed").
     """
     size = int(np.prod(shape))
     k = max(1, math.ceil(size / num_replicas))
@@ -293,20 +249,11 @@ def make_slot(optimizer, reference_variable, name=None, initializer="zeros"):
 
 
 def apply(original, optimizer, grads, trainable_variables):
-    """Updates `optimizer`'s shard and all-gathers the weights.
+    """Updates `optimizer`'s shard by the stock `original`; gathers weights.
 
-    Call it in replica context, with gradients averaged over the replicas
-    and replica-local updates on (`replica_mean._apply`).
-
-    Args:
-        original: The stock `apply`.
-        optimizer: A sharded optimizer (`is_sharded`).
-        grads: The averaged gradients.
-        trainable_variables: The model variables, or None for those the
-            optimizer was built with.
-
-    Returns:
-        None.
+    In replica context, with averaged `grads` and replica-local updates on
+    (`replica_mean._apply`). `trainable_variables` None: those the optimizer
+    was built with.
     """
     shards = _SHARDS[optimizer]
     ctx = tf.distribute.get_replica_context()
@@ -326,8 +273,7 @@ def apply(original, optimizer, grads, trainable_variables):
     grads = [tf.convert_to_tensor(g) for g, _ in pairs]
     variables = [v for _, v in pairs]
     if optimizer.clipnorm or optimizer.global_clipnorm:
-        # The norms of the full gradients; the shards' own clipping in
-        # `original` is then a no-op.
+        # Global norms; the shards' own clipping in `original` is a no-op.
         grads = optimizer._clip_gradients(grads)
     shadows, grad_slices = [], []
     for g, v in zip(grads, variables, strict=True):
@@ -404,9 +350,9 @@ def _assign_own_copy(ctx, variable, value):
     """Assigns this replica's copy of `variable`, as Keras' updates do.
 
     Through `extended.update` (replica-local updates are on), so a weight
-    created with an `aggregation` is not summed or averaged over replicas.
-    Keras' own `assign` returns its input; this returns the assign op the
-    next gather must wait for.
+    with an `aggregation` is not summed or averaged over replicas. Returns
+    the assign op the next gather waits for (Keras' `assign` returns its
+    input).
     """
     return ctx.strategy.extended.update(
         variable.value, _assign, args=(value,), group=False
@@ -414,11 +360,7 @@ def _assign_own_copy(ctx, variable, value):
 
 
 def save_state(optimizer, store) -> None:
-    """Keras' `save_own_variables`, with every slot whole (a collective).
-
-    Over several processes each slot is one all-gather, so every worker
-    saves (`fit`'s callbacks do).
-    """
+    """Keras' `save_own_variables`, every slot whole (an all-gather each)."""
     shards = _SHARDS[optimizer]
     for i, variable in enumerate(optimizer.variables):
         shape = shards.slots.get(id(variable))
@@ -431,11 +373,7 @@ def save_state(optimizer, store) -> None:
 
 
 def load_state(optimizer, store) -> None:
-    """Keras' `load_own_variables`: each replica takes its shard of a slot.
-
-    Raises:
-        ValueError: If a slot's saved shape is not its variable's.
-    """
+    """Keras' `load_own_variables`: each replica takes its shard of a slot."""
     shards = _SHARDS[optimizer]
     for i, variable in enumerate(optimizer.variables):
         value = np.asarray(store[str(i)])

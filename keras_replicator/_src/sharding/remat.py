@@ -1,30 +1,19 @@
-"""Gathered weights live for one layer at a time: rematerialisation.
+"""Rematerialisation: a gathered weight lives for one layer at a time.
 
-In a traced step, the gradient of a matmul needs the full weight
-(`_MatMulGrad` reads its inputs), so a weight gathered in the forward pass
-would stay alive until its backward use, and every replica would hold the
-whole model's weights at the peak, as unsharded. A layer that owns sharded
-variables is therefore rematerialised: its forward pass runs again in the
-backward pass (`tf.recompute_grad`), gathering its weights again, and only
-the layer being differentiated holds its full weights. The cost is one more
-forward pass and all-gather per such layer (measured in
-`benchmarks/memory.py`).
-
-Keras' own `RematScope(mode="full")` would do this, but on TensorFlow it
-passes the call's keyword arguments (`training=`) to `tf.recompute_grad`,
-which refuses them in a graph ("supports keywords arguments only when
-eager execution is enabled"); here they are bound first. A layer the user
-gave a remat mode keeps it.
-
-An embedding lookup is not rematerialised: its gradient needs only the ids,
-not the table, so there is nothing to free, and `tf.recompute_grad` would
-turn its sparse gradient dense (one device's optimizer sees the sparse
-rows; Adam's numbers differ). A tied embedding (Keras' or keras-hub's
-`ReversibleEmbedding` with `tie_weights=True`) also multiplies by the
-table: that product is `sharding/contraction`'s op, which keeps no full
-table for the backward pass, so it is not rematerialised either (unless it
-casts the table first, `reverse_dtype`). Nor are a stock `Dense` or
-`EinsumDense` whose kernel only that op reads.
+In a traced step a matmul's gradient reads the full weight (`_MatMulGrad`), so
+a weight gathered in the forward pass would live until its backward use, and
+every replica would peak at the whole model's weights. A layer owning sharded
+variables therefore reruns its forward pass, gathering again, in the backward
+pass (`tf.recompute_grad`): one more forward pass and all-gather per layer
+(`benchmarks/memory.py`). Keras' `RematScope(mode="full")` alone fails on
+TensorFlow: it passes keyword arguments (`training=`) to `tf.recompute_grad`,
+which refuses them in a graph ("supports keywords arguments only when eager
+execution is enabled"); here they are bound first. A layer the user gave a
+remat mode keeps it. Not rematerialised: an embedding lookup (its gradient
+needs only the ids, and `tf.recompute_grad` would make its sparse gradient
+dense: Adam's numbers differ), nor a tied `ReversibleEmbedding` or a stock
+`Dense`/`EinsumDense` whose kernel only `sharding/contraction`'s op reads (it
+keeps no full weight for the backward pass).
 """
 
 from __future__ import annotations
@@ -60,12 +49,10 @@ def rematerialize(model: Any) -> None:
 
 
 def _contracted(layer, own) -> bool:
-    """Whether the layer's only sharded read is its kernel's contraction.
+    """Whether a stock `Dense`/`EinsumDense` reads its kernel only to contract.
 
-    A stock `Dense` or `EinsumDense` (no LoRA, not quantized) reads its
-    kernel only in `ops.matmul`/`ops.einsum`, which `sharding/contraction`
-    makes one op that gathers the kernel again in its backward pass (or
-    never): nothing to rematerialise.
+    `sharding/contraction` makes that `ops.matmul`/`ops.einsum` one op that
+    gathers the kernel again in its backward pass (or never).
     """
     kind = type(layer)
     if kind.call not in (
@@ -90,12 +77,9 @@ def _sparse_lookup(layer) -> bool:
         return False
     if not getattr(layer, "tie_weights", False):
         return True
-    # A tied `ReversibleEmbedding` (`keras.layers.ReversibleEmbedding`,
-    # which keras-hub's Gemma, Mistral and BERT build, or keras-hub's own)
-    # multiplies by the table as `ops.matmul(x, ops.transpose(table))`,
-    # which `sharding/contraction` makes one op (the table is never held
-    # for the backward pass), unless it casts the table first
-    # (`reverse_dtype`).
+    # A tied `ReversibleEmbedding` (Keras', which keras-hub's Gemma builds,
+    # or keras-hub's own) computes `ops.matmul(x, ops.transpose(table))`,
+    # one `sharding/contraction` op, unless it casts first (`reverse_dtype`).
     return (
         type(layer).__name__ == "ReversibleEmbedding"
         and type(layer).__module__.startswith(("keras_hub.", "keras.src."))

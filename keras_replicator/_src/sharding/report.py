@@ -1,14 +1,11 @@
 """What a `LayoutMap` did to a model: a report, and warnings for what it missed.
 
 Keras matches a `LayoutMap` key against a variable's path with
-`re.fullmatch` (an exact key first). A key written for one model shape can
-match nothing on another: the guide's `"d1/kernel"` works on its Functional
-model, but a `Sequential` model's path is `sequential/d1/kernel`, so the
-same key shards nothing, silently. `layout_report` shows, per variable, the
-key that matched and what each device holds; at a model's first `fit`
-under `ModelParallel`, `warn_once` logs keys that matched no variable,
-large variables no key matched (replicated on every device), and variables
-a matching rule leaves whole.
+`re.fullmatch` (an exact key first), so a key can silently match nothing: the
+guide's `"d1/kernel"` works on its Functional model, but a `Sequential`
+model's path is `sequential/d1/kernel`. `layout_report` shows each
+variable's key and block; `warn_once`, at a model's first `fit` under
+`ModelParallel`, logs what the map missed.
 """
 
 from __future__ import annotations
@@ -36,10 +33,9 @@ _warned: weakref.WeakSet = weakref.WeakSet()
 class Row:
     """One variable: its path, full shape, the key it matched, its block.
 
-    An optimizer slot (Adam's moments, say) is laid out as the model
-    variable it was made from: its `key` is that variable's key.
-    `rule`: under `kr.auto_layout_map`, for a variable no key matched, the
-    rule that split it or why it is whole (`auto_layout.Decision`).
+    An optimizer slot's `key` is that of the variable it was made from, whose
+    layout it has. `rule`: under `kr.auto_layout_map`, for a variable no key
+    matched, the rule that split it or why it is whole (`auto_layout.Decision`).
     """
 
     path: str
@@ -57,14 +53,12 @@ class LayoutReport:
 
     Attributes:
         rows: One `Row` per model and optimizer variable.
-        weights_bytes: The model's variables on each device.
-        optimizer_bytes: The optimizer's variables on each device.
-        largest_gather_bytes: The largest full value a step gathers (the
-            largest sharded variable), a transient on each device.
-        unmatched_keys: Layout map keys that matched no variable. A key
-            for layer outputs (Keras looks a layer's output up as
-            `"<layer path>/output"`; such a key ends in `output`) is not
-            one: it names activations, never variables.
+        weights_bytes: The model's variables' bytes on each device.
+        optimizer_bytes: The optimizer's variables' bytes on each device.
+        largest_gather_bytes: The largest sharded variable's bytes: the
+            largest transient a step gathers on each device.
+        unmatched_keys: Layout map keys that matched no variable, less
+            layer-output keys (`"<layer path>/output"`: activations).
     """
 
     rows: tuple[Row, ...]
@@ -86,8 +80,6 @@ class LayoutReport:
             )
             for r in self.rows
         ]
-        # Each column as wide as its longest cell: a long path or key (a
-        # regex) moves the columns after it, all lines alike.
         widths = [
             max(len(row[i]) for row in [header, *cells])
             for i in range(len(header))
@@ -169,11 +161,7 @@ def _row(variable, layout_map, optimizer: bool, weights=()) -> Row:
 
 
 def _names_an_output(key: str, model: Any) -> bool:
-    """Whether `key` is a layer's output hint.
-
-    Keras looks those up as `"<layer path>/output"`, as it matches variable
-    paths: the key itself, or a regex the whole path matches.
-    """
+    """Whether `key` is, or fully matches, a `"<layer path>/output"` hint."""
     for layer in model._flatten_layers(include_self=True, recursive=True):
         path = f"{layer.path}/output"
         if key == path:
@@ -189,14 +177,12 @@ def _names_an_output(key: str, model: Any) -> bool:
 def layout_report(model: Any, print_fn=None) -> LayoutReport:
     """Reports where every variable of `model` lives, and the totals.
 
-    For each model and optimizer variable: its path, full shape, the
-    `LayoutMap` key that matched it (or `-`; an optimizer slot shows the
-    key of the variable it was made from, whose layout it has), the block
-    each device holds and its bytes. Then per device: the weights, the
-    optimizer state and the largest full value a training step gathers.
-    Under no distribution or `DataParallel` every variable is whole on
-    every device. The report's `str` is the table; like Keras'
-    `model.summary()`, nothing is printed unless `print_fn` is given.
+    Per model and optimizer variable: its path, full shape, the `LayoutMap`
+    key that matched it (or `-`; a slot shows its variable's), its block per
+    device and the bytes; then per device the weights, the optimizer state
+    and the largest full value a step gathers. Under no distribution or
+    `DataParallel` every variable is whole. The report's `str` is the table;
+    as with `model.summary()`, only `print_fn` prints.
 
     Example:
     ```python
@@ -262,9 +248,9 @@ def _variables(model):
 def warn_once(model: Any, large_bytes: int = LARGE_BYTES) -> None:
     """Logs, once per model, what its `ModelParallel` layout map missed.
 
-    Keys that matched no variable; variables over `large_bytes` (1 MB) that
-    no key matched and that stay whole on every device; variables a key
-    matched whose layout splits nothing. Nothing under other distributions.
+    Keys that matched no variable; variables over `large_bytes` (1 MiB) that
+    no key matched, whole on every device; variables a key matched whose
+    layout splits nothing. Nothing under other distributions.
     """
     layout_map = _layout_map()
     if layout_map is None or model in _warned:

@@ -1,31 +1,24 @@
 """Sharded variables: stored as blocks, gathered when used (FSDP / ZeRO-3).
 
 Under `keras.distribution.ModelParallel` a variable its layout map splits is
-stored as a `MirroredVariable` of the replicator that runs the mesh whose
-components DIFFER: the component on replica `r` holds block `r` of the
-variable (`layout.Placement.block`), so every device stores only its slice,
-and so do the optimizer slots made from it (Keras gives a slot its
-variable's layout). The Keras variable keeps its full shape.
+a `MirroredVariable` whose components DIFFER: replica `r`'s holds block `r`
+(`layout.Placement.block`), as do the optimizer slots made from it (Keras
+gives a slot its variable's layout). The Keras variable keeps its full shape.
 
-Compute is data-parallel over every device of the mesh, whatever the axes
-are named: each of the N devices takes 1/N of the global batch. Inside the
-step a read of a sharded variable is its full value, assembled by one
-all-gather of the blocks (`gathered`); its gradient is the all-reduce of the
-replicas' gradients (averaged as every gradient of the step is, by
-`gradients.mean_gradients`) cut back to the replica's block, so the
-optimizer updates the block with the same numbers one device computes for
-those elements. TensorFlow's CPU runtime has no reduce-scatter
-(`CollectiveReduceScatterV2` fails on CPU), so the cut follows a full
-all-reduce, as in the sharded optimizer state of `optimizer_shards.py`.
+Compute is data-parallel over all N devices of the mesh, whatever the axes'
+names: each takes 1/N of the global batch. In the step a read is one
+all-gather of the blocks (`gathered`); the gradient, averaged by
+`gradients.mean_gradients` as every gradient of the step, is all-reduced and
+cut to the replica's block, so the optimizer gets one device's numbers.
+TensorFlow's CPU runtime has no reduce-scatter (`CollectiveReduceScatterV2`).
 
 Outside a replica step (`get_weights`, `save_weights`, `numpy()`, a
-checkpoint) the value is assembled from the components on the host
-(`full_value`), and an assignment cuts the new value into blocks
-(`assign`), so files hold whole values and load on any mesh or on one
-device. Over several processes a process holds only its replicas'
-components: the full value is one all-gather (a collective, so every
-process must read it together, as `fit`'s callbacks and `save_weights` on
-every process do), and an assignment writes the local blocks.
+checkpoint) the value is assembled on the host (`full_value`) and an
+assignment cuts the value into blocks (`assign`), so files hold whole values
+and load on any mesh or one device. Over several processes a process holds
+only its replicas' components: the full value is one all-gather, which every
+process must join (as `fit`'s callbacks and `save_weights` on every process
+do), and an assignment writes the local blocks.
 """
 
 from __future__ import annotations
@@ -56,20 +49,15 @@ from keras_replicator._src.upstream import mirrored_strategy
 def sharding_strategy(variable: Any, shape) -> tuple[Any, Any, Any]:
     """`(replicator, placement, layout)` if `variable` is stored sharded.
 
-    A variable is sharded when the current strategy runs a `ModelParallel`
-    distribution whose layout for it splits a dimension. Else
-    `(None, None, None)`.
-
-    Raises:
-        ValueError: If its layout does not fit it or the mesh
-            (`layout.placement`).
+    Sharded: the current strategy runs a `ModelParallel` whose layout for it
+    splits a dimension; else `(None, None, None)`. Raises `ValueError` for a
+    layout that does not fit (`layout.placement`).
     """
     strategy = tf.distribute.get_strategy()
     distribution = getattr(strategy, placements.DISTRIBUTION_ATTR, None)
     if not isinstance(distribution, distribution_lib.ModelParallel):
         return None, None, None
-    # An `auto_layout_map` lays out, by its shape and layer, the variable
-    # Keras asks it for by path.
+    # Lets an `auto_layout_map` see the variable Keras looks up by path.
     with auto_layout.laying_out(variable, shape):
         layout = distribution.get_variable_layout(variable)
     if layout is None or all(a is None for a in layout.axes):
@@ -81,23 +69,12 @@ def sharding_strategy(variable: Any, shape) -> tuple[Any, Any, Any]:
 
 
 def create(variable: Any, value: Any, placement: Any, strategy: Any):
-    """Creates the block storage of a Keras variable; returns it.
+    """A `MirroredVariable` whose component `r` holds block `r` of `variable`.
 
-    Args:
-        variable: The Keras variable being initialised.
-        value: Its initial value, or a callable returning it (called once,
-            as on one device, so a seeded initializer draws the same
-            numbers).
-        placement: Its `layout.Placement`.
-        strategy: The replicator running the mesh; its replicas are the
-            mesh's devices in flat order.
-
-    Returns:
-        A `MirroredVariable` whose component `r` holds block `r`.
-
-    Raises:
-        NotImplementedError: For an `on_read` variable (its components are
-            aggregated on read; a block cannot be).
+    A callable `value` is called once, as on one device, so a seeded
+    initializer draws the same numbers. `strategy`'s replicas are the mesh's
+    devices in flat order. Refuses an `on_read` variable
+    (`NotImplementedError`): a block cannot be aggregated on read.
     """
     if variable.synchronization == "on_read":
         raise NotImplementedError(
@@ -113,9 +90,8 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
         )
     replicas = local_replicas(strategy)
     with tf.init_scope():
-        # Only this process's blocks. A random initializer's draw is made
-        # block by block; any other value exists whole for this variable
-        # only, until its blocks are cut.
+        # Only this process's blocks; a value not drawn block by block
+        # exists whole for this variable only, until cut.
         full = value
         if callable(value):
             full = block_draw.draw(value, placement.full_shape, variable.dtype)
@@ -126,8 +102,6 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
             blocks = {r: placement.block(full, r) for r in replicas}
         del full
         with strategy.scope(), _own_initial_values(strategy):
-            # Each component takes its own block: no process waits for the
-            # chief's first block, which the strategy would broadcast.
             stored = tf.Variable(
                 blocks[replicas[0]],
                 trainable=variable.trainable,
@@ -144,13 +118,10 @@ def create(variable: Any, value: Any, placement: Any, strategy: Any):
 def _own_initial_values(strategy):
     """Variables made here skip the multi-worker initial-value broadcast.
 
-    `CollectiveAllReduceExtended` makes every process's first component
-    receive the chief's initial value (a broadcast of the whole block, and
-    a transient of its size, per variable). A sharded variable's components
-    each take their own block at once, so here each process's first
-    component starts from its own value. Every process creates the same
-    variables in the same order, so none waits for a broadcast the others
-    skip.
+    `CollectiveAllReduceExtended` gives every process's first component the
+    chief's initial value (a broadcast and a transient of a whole block per
+    variable); here it keeps its own block. All processes create the same
+    variables in order, so none waits for a broadcast the others skip.
     """
     extended = strategy.extended
     stock = getattr(type(extended), "_get_variable_creator_initial_value", None)
@@ -212,11 +183,7 @@ def process_of(strategy) -> tuple[int, int]:
 
 
 def all_blocks(ctx, block, placement) -> tf.Tensor:
-    """The whole value: every replica's `block`, all-gathered, assembled.
-
-    One all-gather of the flattened blocks (equal in size on every
-    replica), issued in replica context `ctx`.
-    """
+    """The whole value: every replica's `block`, all-gathered in `ctx`."""
     flat = collectives.all_gather_equal(ctx, tf.reshape(block, [-1]))
     return placement.assemble(
         tf.reshape(flat, [placement.num_devices, *placement.local_shape])
@@ -224,10 +191,9 @@ def all_blocks(ctx, block, placement) -> tf.Tensor:
 
 
 def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
-    """The full value of a sharded variable, in a replica step.
+    """A sharded variable's full value in a replica step: one all-gather.
 
-    One all-gather of the replicas' blocks; the gradient is the averaged
-    full gradient cut to this replica's block.
+    The gradient is the averaged full gradient cut to this replica's block.
     """
     placement = placements.of(variable)
     local = tf.convert_to_tensor(variable._value)
@@ -257,11 +223,10 @@ def gathered(variable: Any, ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
 def _sparse_block(slices, placement, replica):
     """This replica's block of a sparse gradient, still sparse.
 
-    An Embedding's gradient is `IndexedSlices` with one row per looked-up
-    id, repeated ids included; on one device Keras' optimizers see exactly
-    those rows (Adam's second moment squares each repeat on its own). The
-    block keeps the rows whose ids fall in this replica's range of rows,
-    in the same order, cut to its columns.
+    An Embedding's `IndexedSlices` have one row per looked-up id, repeats
+    included, which Keras' optimizers see as on one device (Adam's second
+    moment squares each repeat on its own): kept in order are the rows in
+    this replica's range, cut to its columns.
     """
     begin = placement.begin(replica)
     local = placement.local_shape
@@ -288,10 +253,10 @@ def full_value(variable: Any) -> tf.Tensor:
 def blocks_value(stored: Any, placement: Any) -> tf.Tensor:
     """The whole value of block storage `stored`, outside a replica step.
 
-    `stored` is a distributed variable whose component on replica `r`
-    holds `placement.block(full, r)`: ModelParallel's blocks, or a sharded
-    optimizer's flat shards (`optimizer_shards.flat_placement`). Over
-    several processes this is one all-gather, which every process joins.
+    Replica `r`'s component of `stored` holds `placement.block(full, r)`:
+    ModelParallel's blocks, or a sharded optimizer's flat shards
+    (`optimizer_shards.flat_placement`). Over several processes this is one
+    all-gather, which every process joins.
     """
     strategy = stored.distribute_strategy
     if multi_process(strategy):
@@ -303,13 +268,12 @@ def blocks_value(stored: Any, placement: Any) -> tf.Tensor:
 # Host-side reads of sharded values, counted alike on every process.
 _host_reads = itertools.count()
 _DEFAULT_READ_TIMEOUT = 60.0
-# The least bound of a wait for another process's work on files, as the
-# default `timeout_seconds` of a sharded checkpoint (`checkpoint.py`).
+# The least bound of a wait for another process's work on files; a sharded
+# checkpoint's default `timeout_seconds`.
 FILE_WORK_SECONDS = 600.0
 
 
-# Per thread, inside a whole save (`waiting_on_files`): reads wait for
-# the chief's writes.
+# Per thread, inside a whole save (`waiting_on_files`).
 _saving = threading.local()
 
 
@@ -317,9 +281,9 @@ _saving = threading.local()
 def waiting_on_files() -> Iterator[None]:
     """Host reads in here may wait for the chief writing a file.
 
-    In a Keras save under several processes the chief writes each value
-    before it reads the next, which every process joins: the others wait
-    for its write, work on files (`FILE_WORK_SECONDS`).
+    In a multi-process Keras save the chief writes each value before the
+    read of the next, which every process joins: the others wait for work on
+    files (`FILE_WORK_SECONDS`).
     """
     _saving.depth = getattr(_saving, "depth", 0) + 1
     try:
@@ -331,15 +295,9 @@ def waiting_on_files() -> Iterator[None]:
 def _all_processes_here(strategy, path: str) -> None:
     """Waits, bounded, until every process reads the same sharded value.
 
-    The read is an all-gather: a process that reads alone (a chief-only
-    `model.get_weights()`) would wait in it forever. A barrier of the
-    coordination service comes first, so that such a read fails within
-    the replicator's collective timeout (else its start-up timeout, else
-    60 s) with an error that says what to do. Within a whole save
-    (`waiting_on_files`) the bound is a file's.
-
-    Raises:
-        RuntimeError: If the other processes did not read it in time.
+    The read is an all-gather, in which a process reading alone (a
+    chief-only `model.get_weights()`) would wait forever; a barrier first
+    makes it fail in time with a `RuntimeError` that says what to do.
     """
     if not tf.executing_eagerly():
         return
@@ -379,24 +337,13 @@ def wait_for_processes(
     message: Callable[[float], str],
     file_work: bool = False,
 ) -> None:
-    """A barrier of every process, bounded by the collective timeout.
+    """A barrier of every process, or a `RuntimeError` of `message(seconds)`.
 
-    The bound is the replicator's collective timeout, else its start-up
-    timeout, else 60 s. A wait for another process's work on files (the
-    chief writing a whole save, deleting a backup) is bounded by at least
-    `FILE_WORK_SECONDS`, as a sharded checkpoint's barriers are: a model
-    of many GB takes minutes to write, and the processes waiting for it
-    must not fail where one device would simply have written it.
-
-    Args:
-        strategy: The multi-process replicator.
-        barrier: The barrier's id: every process passes the same one, and
-            each id is used once per cluster.
-        message: The error's text, given the bound in seconds.
-        file_work: Whether the processes may wait for work on files.
-
-    Raises:
-        RuntimeError: If the other processes did not arrive in time.
+    `barrier` is an id every process passes, used once per cluster. The bound
+    is the replicator's collective timeout, else its start-up timeout, else
+    60 s; with `file_work` (the chief writing a whole save, deleting a
+    backup) at least `FILE_WORK_SECONDS`, as for a sharded checkpoint: a
+    model of many GB takes minutes to write.
     """
     seconds = (
         getattr(strategy, "collective_timeout_seconds", None)
@@ -411,12 +358,7 @@ def wait_for_processes(
 def barrier_of_processes(
     barrier: str, seconds: float, message: Callable[[float], str]
 ) -> None:
-    """Every process at the coordination service's `barrier`, or an error.
-
-    Raises:
-        RuntimeError: `message(seconds)`, if the other processes did not
-            arrive within `seconds`.
-    """
+    """All at the coordination service's `barrier`, else `message`'s error."""
     try:
         context.context().wait_at_barrier(barrier, int(seconds * 1000))
     except (tf.errors.OpError, RuntimeError) as error:
@@ -424,21 +366,12 @@ def barrier_of_processes(
 
 
 def publish(key: str, value: str) -> None:
-    """Puts `value` in the coordination service's key-value store.
-
-    What one process decided, for the others to read (`published`). Each
-    key is set once per cluster.
-    """
+    """Puts `value` under `key` in the coordination service, once a cluster."""
     context.context().set_config_key_value(key, value)
 
 
 def published(key: str, seconds: float, message: Callable[[float], str]):
-    """The value another process `publish`ed under `key`, once it is there.
-
-    Raises:
-        RuntimeError: `message(seconds)`, if it was not published within
-            `seconds`.
-    """
+    """The value `publish`ed under `key` within `seconds`, else an error."""
     try:
         return context.context().get_config_key_value(key, int(seconds * 1000))
     except (tf.errors.OpError, RuntimeError) as error:
@@ -456,10 +389,9 @@ def _gather_blocks(strategy, stored, placement) -> tf.Tensor:
 def _local_blocks(strategy, stored) -> Any:
     """This process's components of `stored`, read, as a `PerReplica`.
 
-    A value, not the variable, is what a cached `tf.function` may take: a
-    distributed variable given as an argument is captured by its first
-    trace, and a later call with another variable of the same shape would
-    read the first one.
+    A value, not the variable: a cached `tf.function` captures a distributed
+    variable argument at its first trace, so a later call with another
+    variable of the same shape would read the first one.
     """
     first = local_replicas(strategy)[0]
     components = stored.values
@@ -470,20 +402,18 @@ def _local_blocks(strategy, stored) -> Any:
     )
 
 
-# The strategy's attribute: {(placement without its path, dtype): its
-# gather function}. The functions close over the strategy: in a module's
-# cache keyed by it they would keep alive every replicator a notebook ever
-# built; on it, they go with it.
+# The strategy's {(placement without its path, dtype): gather function}. On
+# the strategy, since they close over it: a module cache would keep alive
+# every replicator a notebook ever built.
 _GATHERS_ATTR = "_keras_replicator_gathers"
 
 
 def _gather_function(strategy, placement, dtype):
     """One `tf.function` per strategy and signature, traced once.
 
-    A new `tf.function` per read traced the gather again at every read of
-    every variable (`save_weights` read each one anew). The blocks are an
-    argument, so every variable of one placement and dtype shares one
-    trace.
+    Not one per read, which retraced at every read (`save_weights` reads
+    each variable): the blocks are an argument, so every variable of one
+    placement and dtype shares one trace.
     """
     gathers = getattr(strategy, _GATHERS_ATTR, None)
     if gathers is None:
@@ -512,16 +442,13 @@ _MAP_AT_BYTES = 1 << 20
 def mapped_dataset(dataset: Any) -> np.ndarray | None:
     """A read-only memory map of an h5py dataset's bytes, or None.
 
-    Keras 3.12 and later read every value of a `.weights.h5` file whole, as a
-    NumPy array, before `assign` sees it: under `ModelParallel` a process
-    then holds the largest variable of the model whole for a moment (the
-    embedding table of a language model). A map is an array too, so every
-    caller works unchanged, and `assign` reads only this process's blocks
-    from it (`Placement.block` slices it). Only what a map can mean exactly:
-    a file on disk (h5py's default driver), stored contiguously (no chunks,
-    so no compression or other filter), of a plain numeric dtype or Keras'
-    bfloat16 (stored as 2 opaque bytes); anything else returns None, and
-    the caller reads it whole.
+    Keras 3.12 and later read each `.weights.h5` value whole before
+    `assign`, so under `ModelParallel` a process would briefly hold the
+    largest variable (a language model's embedding table) whole. A map is an
+    array too, of which `assign` reads only this process's blocks. Only where
+    it means the data exactly: a file on disk (h5py's default driver), stored
+    contiguously (no chunks, so no filter), of a plain numeric dtype or
+    Keras' bfloat16 (2 opaque bytes); else None: read it whole.
     """
     import h5py  # Keras' own dependency for `.weights.h5`.
 
@@ -574,23 +501,20 @@ def assign(variable: Any, value: Any):
     """Assigns a full value (each replica's component gets its block).
 
     In a replica step a value of the block's shape (an optimizer's update)
-    is assigned to this replica's component as it is.
-
-    Returns:
-        The value assigned (as Keras' `assign` does).
+    is assigned to this replica's component as it is. Returns the value, as
+    Keras' `assign` does.
     """
     placement = placements.of(variable)
     ctx = tf.distribute.get_replica_context()
     strategy = variable._value.distribute_strategy
     in_step = ctx is not None and ctx.strategy is strategy
     if not in_step and is_file_array(value):
-        # A value read from a file (`load_weights`, `from_preset`): only
-        # this process's blocks become tensors, never the full value.
+        # From a file (`load_weights`, `from_preset`): only this process's
+        # blocks become tensors.
         assign_blocks(variable, lambda r: placement.block(value, r))
         return value
     value = tf.convert_to_tensor(value, dtype=variable._value.dtype)
     if in_step:
-        # In a replica step: this replica's block only.
         component = variable._value._get_on_device_or_primary()
         if tuple(value.shape) != tuple(placement.local_shape):
             replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
@@ -607,13 +531,8 @@ def assign(variable: Any, value: Any):
 def assign_blocks(variable: Any, block_of) -> None:
     """Assigns each of this process's components `block_of(replica)`.
 
-    Outside a replica step. Only this process's blocks are read, one at a
-    time: the full value never exists.
-
-    Args:
-        variable: A sharded variable.
-        block_of: `replica -> array` of the block's shape (a global
-            replica id, as `layout.Placement.begin` takes).
+    Outside a replica step, one block at a time, never the full value;
+    `replica` is a global id, as `layout.Placement.begin` takes.
     """
     inner = variable._value
     dtype = inner.dtype.as_numpy_dtype
@@ -633,8 +552,5 @@ def short_device_name(name: str) -> str:
 
 
 def block_numpy(variable: Any, replica: int) -> np.ndarray:
-    """Replica `replica`'s stored block (for tests and debugging).
-
-    Over several processes, `replica` counts this process's replicas.
-    """
+    """Stored block of this process's replica `replica` (tests, debugging)."""
     return variable._value.values[replica].numpy()
