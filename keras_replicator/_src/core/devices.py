@@ -1,14 +1,10 @@
 """Logical CPU devices, so one host CPU can hold several replicas.
 
 TensorFlow fixes its device list when its runtime initialises (the first op,
-or the first call that lists logical devices). Splitting the CPU into logical
-devices must happen before that; afterwards the split can't change until the
-process restarts.
-
-TensorFlow is imported by the functions that use it, not with the module:
-`keras-replicator env` asks what `kr.auto()` would pick (CPU replica count,
-TPU, whether a GPU can be there) without paying for TensorFlow's import
-(`find_tpu`, `default_cpu_replicas`, `gpus_possible`).
+or the first listing of logical devices): the CPU must be split before that,
+and the split can't change until the process restarts. TensorFlow is imported
+inside functions, so `keras-replicator env` can say what `kr.auto()` would
+pick (`find_tpu`, `default_cpu_replicas`, `gpus_possible`) without it.
 """
 
 from __future__ import annotations
@@ -21,9 +17,8 @@ import sysconfig
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
 
-# Replicators split the CPU into at least this many logical devices the first
-# time, so that a notebook can later ask for more replicas (up to this number)
-# without a kernel restart. Logical CPU devices share one thread pool, so the
+# The fewest logical CPUs a first split makes, so a notebook can later ask for
+# more replicas (up to this) without a restart. They share one thread pool, so
 # spare ones cost nothing.
 MIN_LOGICAL_CPUS = 8
 _CPU_REPLICAS_ENV = env.CPU_REPLICAS
@@ -44,16 +39,14 @@ _TOO_LATE = (
 def configure_cpu_replicas(num_replicas: int) -> int:
     """Splits the host CPU into logical devices for `num_replicas` replicas.
 
-    Call it at start-up, before any other TensorFlow or Keras code runs. The
-    replicators call it for you when they are created first; call it yourself
-    when other TensorFlow code must run before the replicator is created.
+    Call it at start-up, before other TensorFlow or Keras code runs. A
+    replicator created first calls it for you; otherwise, call it yourself.
 
     Args:
         num_replicas: The number of CPU replicas wanted, at least 1.
 
     Returns:
-        The number of logical CPU devices now available (at least
-        `num_replicas`).
+        The number of logical CPU devices now, at least `num_replicas`.
 
     Raises:
         ValueError: If `num_replicas` is not a positive integer.
@@ -86,29 +79,22 @@ def configure_cpu_replicas(num_replicas: int) -> int:
 
 
 def runtime_started() -> bool:
-    """True once TensorFlow's eager runtime is up (its first op ran).
-
-    Asking does not start it, unlike `tf.config.list_logical_devices`.
-    """
+    """True once TensorFlow's eager runtime is up (its first op ran)."""
     from keras_replicator._src.upstream import context
 
-    # Private, but the only way to ask without starting the runtime.
+    # Private, but the only way to ask without starting the runtime (as
+    # `tf.config.list_logical_devices` would).
     return context.context()._context_handle is not None  # noqa: SLF001
 
 
 def split_cpu_at_import() -> int | None:
     """Splits the CPU into logical devices if TensorFlow has not started.
 
-    `import keras_replicator` calls it, so that a program that imports
-    keras_replicator before it runs any TensorFlow op can create
-    `LocalReplicator`s of up to `MIN_LOGICAL_CPUS` (or
-    `KERAS_REPLICATOR_CPU_REPLICAS`) CPU replicas at any later point, after
-    a one-device reference model for instance. Logical CPU devices share one
-    thread pool, so code that uses only `CPU:0` runs as before.
-
-    It does nothing when TensorFlow's runtime is already up (too late), when
-    the host has a GPU (replicas are GPUs then), when the CPU's logical
-    devices were already configured, or when `KERAS_REPLICATOR_SPLIT_CPU=0`.
+    `import keras_replicator` calls it, so a program that imports it before
+    any TensorFlow op can later create `LocalReplicator`s of up to
+    `MIN_LOGICAL_CPUS` (or `KERAS_REPLICATOR_CPU_REPLICAS`) CPU replicas.
+    No-op if the runtime is up, the host has a GPU (replicas are GPUs then),
+    the CPU is already configured, or `KERAS_REPLICATOR_SPLIT_CPU=0`.
 
     Returns:
         The number of logical CPU devices made, or None if it did nothing.
@@ -139,13 +125,10 @@ def split_cpu_at_import() -> int | None:
 
 
 def default_cpu_replicas() -> int:
-    """The number of CPU replicas used when none is given.
+    """The number of CPU replicas (a positive int) used when none is given.
 
-    `KERAS_REPLICATOR_CPU_REPLICAS` if set, else the number of CPU cores,
-    capped at `MIN_LOGICAL_CPUS`.
-
-    Returns:
-        A positive integer.
+    `KERAS_REPLICATOR_CPU_REPLICAS` if set, else the CPU cores, capped at
+    `MIN_LOGICAL_CPUS`.
 
     Raises:
         ValueError: If the environment variable is not a positive integer.
@@ -183,22 +166,18 @@ def find_tpu() -> str | None:
     return None
 
 
-# What a GPU TensorFlow can use leaves on Linux: NVIDIA's device files and
-# driver folder, ROCm's kernel driver.
+# Linux traces of a usable GPU: NVIDIA device files and driver, ROCm's driver.
 _GPU_FILES = ("/dev/nvidia[0-9]*", "/proc/driver/nvidia/gpus/*", "/dev/kfd")
 
 
 def gpus_possible() -> str | None:
     """Why TensorFlow might see a GPU here, answered without TensorFlow.
 
-    None only when it can't: on Linux, no NVIDIA or ROCm driver files and
-    no TensorFlow device plugin (TensorFlow loads those from
-    `site-packages/tensorflow-plugins` or
+    Returns what was found (a file, a plugin folder, the platform), or None
+    only on Linux with no NVIDIA or ROCm driver files and no TensorFlow device
+    plugin (in `site-packages/tensorflow-plugins` or
     `TF_PLUGGABLE_DEVICE_LIBRARY_PATH`). Elsewhere (macOS Metal, Windows
     DirectML) only TensorFlow can say.
-
-    Returns:
-        What was found (a file, a plugin folder, the platform), or None.
     """
     if sys.platform != "linux":
         return f"platform {sys.platform}"
@@ -218,10 +197,10 @@ def gpus_possible() -> str | None:
 
 
 def local_gpus() -> list[str]:
-    """Names of the logical GPUs of this host, in index order.
+    """This host's logical GPU names in index order.
 
-    Before TensorFlow is imported, a host where no GPU can be
-    (`gpus_possible`) has none, and TensorFlow stays out.
+    Empty, and TensorFlow stays unimported, if it is not imported yet and
+    `gpus_possible` rules GPUs out.
     """
     if "tensorflow" not in sys.modules and gpus_possible() is None:
         return []

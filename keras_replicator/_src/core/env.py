@@ -6,29 +6,26 @@ CPU_REPLICAS = "KERAS_REPLICATOR_CPU_REPLICAS"
 # The port and host name a worker announces in MPI/Slurm discovery.
 PORT = "KERAS_REPLICATOR_PORT"
 HOST = "KERAS_REPLICATOR_HOST"
-# TensorFlow's cluster description.
 TF_CONFIG = "TF_CONFIG"
-# "1" in the workers `keras-replicator launch` starts, all on one host: the
-# chief's `MultiWorkerReplicator()` advises one process
-# (cluster/process_layout.py).
+# "1" in workers `keras-replicator launch` starts on one host: the chief's
+# `MultiWorkerReplicator()` advises one process (cluster/process_layout.py).
 LAUNCHED = "KERAS_REPLICATOR_LAUNCHED"
-# "0" stops `import keras_replicator` from splitting the CPU into logical
-# devices (core/devices.split_cpu_at_import).
+# "0": `import keras_replicator` leaves the CPU unsplit (core/devices.py).
 SPLIT_CPU_AT_IMPORT = "KERAS_REPLICATOR_SPLIT_CPU"
 # `kr.launch` workers: the pickled function and where its result goes.
 LAUNCH_PAYLOAD = "KERAS_REPLICATOR_LAUNCH_PAYLOAD"
 LAUNCH_RESULT = "KERAS_REPLICATOR_LAUNCH_RESULT"
-# Signals that make `fit` stop at the same step on every worker, write the
-# `BackupAndRestore` backup there and exit (comma-separated names; empty: off).
-# The launcher forwards the same signals to its workers.
+# Comma-separated signals (empty: off) on which `fit` stops at the same step
+# on every worker, writes the `BackupAndRestore` backup and exits; the
+# launcher forwards them to its workers.
 PREEMPTION_SIGNALS = "KERAS_REPLICATOR_PREEMPTION_SIGNALS"
 # About how often, in seconds, multi-worker fit agrees on a pending signal.
 PREEMPTION_CHECK_SECONDS = "KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS"
 # Seconds without progress after which the hang watchdog ends a process
 # (training/hang_watchdog.py); "0" or "off" turns it off.
 HANG_SECONDS = "KERAS_REPLICATOR_HANG_SECONDS"
-# A path: every `fit` under a replicator writes a timeline of every
-# process's steps, collectives and saves there (callbacks/timeline.py).
+# A path: every `fit` under a replicator writes its timeline there
+# (callbacks/timeline.py).
 TIMELINE = "KERAS_REPLICATOR_TIMELINE"
 # "grpc" or "mpi": forces the transport of the collectives between processes
 # (cluster/transport.py); unset, an mpiexec/srun --mpi launch picks MPI.

@@ -1,7 +1,6 @@
-"""Marks the data helpers put on datasets, for the patches that read them.
+"""Marks data helpers put on datasets (they never install patches).
 
-Data helpers only mark datasets; they never install patches. The exact
-evaluation patch (`patches/exact_eval.py`) reads these marks.
+The exact evaluation patch (`patches/exact_eval.py`) reads them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Which Keras variables are stored sharded, and how reads resolve: a leaf.
 
-`keras.distribution.ModelParallel` stores a variable its layout map splits
-as one block per device (`sharding/sharded.py`); the variable carries
-its `sharding.layout.Placement` in `ATTR`. Patches ask here, so that
-they need not import the distribution package (which imports replicators).
-
-A read of a sharded variable inside a replica step is its gathered, full
-value, except while an optimizer updates it: then reads and writes touch
-the replica's own block (`local_reads`).
+`keras.distribution.ModelParallel` stores a variable its layout map splits as
+one block per device (`sharding/sharded.py`), its `sharding.layout.Placement`
+in `ATTR`. Patches ask here rather than import the distribution package
+(which imports replicators). In a replica step a sharded variable reads as
+its gathered full value, except while an optimizer updates it: then reads and
+writes touch the replica's own block (`local_reads`).
 """
 
 from __future__ import annotations

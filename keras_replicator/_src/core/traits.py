@@ -1,20 +1,17 @@
 """Which strategies are ours, and of which kind: a leaf module.
 
-Patches dispatch on this instead of importing the replicator classes, so no
-module under `patches/` imports `replicators/`. Each replicator class sets
-`replicator_kind` (one of `KINDS`); a stock `tf.distribute` strategy has
-none.
+Patches dispatch on this, so no module under `patches/` imports
+`replicators/`. Each replicator class sets `replicator_kind` (one of
+`KINDS`); a stock `tf.distribute` strategy has none.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# One per replicator backend: LocalReplicator, MultiWorkerReplicator,
-# TpuReplicator, AsyncReplicator.
+# Local, MultiWorker, Tpu and AsyncReplicator's.
 KINDS = ("local", "multi_worker", "tpu", "async")
-# Kinds that replicate in-graph with collective all-reduces (Mirrored and
-# MultiWorkerMirrored strategies underneath).
+# In-graph, with collective all-reduces ((MultiWorker)MirroredStrategy).
 IN_GRAPH = ("local", "multi_worker")
 KIND_ATTR = "replicator_kind"
 
