@@ -1,26 +1,23 @@
 """`keras-replicator launch`: N local worker processes with TF_CONFIG.
 
 Each worker gets a TF_CONFIG naming every worker at `127.0.0.1:<free port>`
-(local launches never listen beyond loopback) and its own task index. Every
-output line is prefixed with the worker's name. When one worker fails, the
-launcher ends the others and exits with the failed worker's code, or, with
-`max_restarts`, starts the whole group again on new ports. Ctrl-C ends all
-of them. A preemption signal (SIGTERM, and the others named by
-`KERAS_REPLICATOR_PREEMPTION_SIGNALS`) is forwarded to every worker, which
-save at the same step and exit with `preemption.EXIT_CODE`; the launcher
-then exits with that code too. A worker ended by the hang watchdog
-(`hang_watchdog.EXIT_CODE`, 76, also the exit of its backstop for a
-process stuck holding the GIL) fails the group like any other failure,
-so `max_restarts` restarts it; the others first get a few seconds to print
-their own stacks. Workers die with the launcher, however it dies
-(`reaper.py`).
+(local launches never listen beyond loopback) and its task index; its output
+lines are prefixed with its name. When one worker fails, the others are ended
+and the launcher exits with its code or, with `max_restarts`, starts the
+group again on new ports. Ctrl-C ends all. A preemption signal (those in
+`KERAS_REPLICATOR_PREEMPTION_SIGNALS`, default `SIGTERM,SIGUSR1`) is
+forwarded to every worker; they save at the same step and exit with
+`preemption.EXIT_CODE`, and so does the launcher. A worker ended by the hang
+watchdog (`hang_watchdog.EXIT_CODE`, 76, also its backstop's exit for a
+process stuck holding the GIL) fails the group like any failure, once the
+others had a few seconds to print their stacks. A port taken between our pick
+and a worker's bind relaunches every worker on new ports. Workers die with
+the launcher, however it dies (`reaper.py`).
 
-A command that starts with `python` (`python3`, `python3.11`) runs on the
-launcher's own interpreter, `sys.executable`, when `python` on `PATH` is
-another one: from a shell where the virtual environment is not active,
-`python` is the system's, which has neither Keras nor keras_replicator
-(`prepare_command`). The script it names must exist before any worker
-starts.
+A command starting with `python` (`python3`, `python3.11`) runs on
+`sys.executable` when `python` on `PATH` is another interpreter, e.g. the
+system's, without Keras, in a shell where the venv is not active
+(`prepare_command`). Its script must exist before any worker starts.
 """
 
 from __future__ import annotations
@@ -48,10 +45,8 @@ from keras_replicator._src.core import validation
 from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import preemption
 
-# What a worker or ps task of a parameter-server cluster runs: a bare
-# TensorFlow server for its TF_CONFIG (`replicators/async_ps.py`'s
-# `serve`). Started by name, as `python -m` would: the launcher sits below
-# the replicators and imports none of them.
+# Workers and ps tasks of a parameter-server cluster run a bare TF server
+# (`async_ps.serve`), started by name: the launcher imports no replicator.
 SERVE_COMMAND = (
     sys.executable,
     "-c",
@@ -70,19 +65,18 @@ PORT_CLASH = (
     "Failed to add port",
     "Could not start gRPC server",
 )
-# Launches tried when a port was taken, all on new ports.
+# Launches in all when a port was taken; the clash comes as the cluster
+# starts, before any training step, so a relaunch loses nothing.
 _PORT_ATTEMPTS = 3
-# Seconds the workers get, after a preemption signal, to reach a step,
-# save and exit, before they are killed.
+# Seconds preempted workers get to reach a step, save and exit, before SIGKILL.
 PREEMPT_GRACE_SECONDS = 30.0
-# Seconds the other workers get, after one was ended by the hang watchdog,
-# to reach their own timeout and print their stacks, before they are ended.
+# Seconds the others get, after the hang watchdog ended one, to print their
+# own stacks before they are ended.
 HANG_GRACE_SECONDS = 10.0
 # Program names that mean "a Python interpreter": python, python3, python3.11.
 _PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?t?)?(\.exe)?")
-# Python's options that take a value (the next argument, or the rest of this
-# one), and those after which no script follows (`-c code`, `-m module`,
-# `-` for stdin).
+# Python options taking a value (the next argument or the rest of this one),
+# and those after which no script follows (`-c code`, `-m module`).
 _PYTHON_VALUE_OPTIONS = "WX"
 _PYTHON_NO_SCRIPT_OPTIONS = "cm"
 _PYTHON_LONG_VALUE_OPTIONS = ("--check-hash-based-pycs",)
@@ -93,16 +87,9 @@ _EMPTY_COMMAND = (
 
 
 def free_ports(count: int) -> list[int]:
-    """Returns `count` distinct TCP ports that are free on 127.0.0.1 now.
+    """`count` distinct TCP ports free on 127.0.0.1 now (held open together).
 
-    The sockets are held open together, so the ports differ; another
-    process may still take one before the worker binds it (callers retry).
-
-    Args:
-        count: How many ports, at least 1.
-
-    Returns:
-        A list of port numbers.
+    Another process may take one before the worker binds it; callers retry.
     """
     with contextlib.ExitStack() as stack:
         ports = []
@@ -121,18 +108,11 @@ def worker_environ(
     replicas_per_worker: int | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment for worker `index` of a loopback cluster.
+    """A copy of `base` (default `os.environ`) with worker `index`'s TF_CONFIG.
 
-    Args:
-        ports: One port per worker, in task order.
-        index: This worker's task index.
-        replicas_per_worker: If given, sets `KERAS_REPLICATOR_CPU_REPLICAS`
-            so each worker's `MultiWorkerReplicator()` makes that many CPU
-            replicas.
-        base: The environment to extend. Defaults to `os.environ`.
-
-    Returns:
-        A new environment dict with `TF_CONFIG` set.
+    `ports` has one port per worker, in task order. `replicas_per_worker`, if
+    given, sets `KERAS_REPLICATOR_CPU_REPLICAS`: the CPU replicas of each
+    worker's `MultiWorkerReplicator()`.
     """
     env = dict(os.environ if base is None else base)
     hosts = [f"{LOOPBACK}:{port}" for port in ports]
@@ -152,9 +132,8 @@ def _same_interpreter(path: str, executable: str) -> bool:
         same_file = os.path.samefile(path, executable)
     except OSError:
         return False
-    # A virtual environment's `python` is a link to the base interpreter:
-    # the same file, but only the link in the environment's folder runs
-    # with the environment's packages.
+    # A venv's `python` links to the base interpreter: the same file, but only
+    # the link in the venv's folder runs with the venv's packages.
     folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     own = os.path.realpath(os.path.dirname(os.path.abspath(executable)))
     return same_file and folder == own
@@ -163,14 +142,8 @@ def _same_interpreter(path: str, executable: str) -> bool:
 def python_script(command: Sequence[str]) -> str | None:
     """The script a `python ...` command runs, or None.
 
-    Args:
-        command: The program and its arguments.
-
-    Returns:
-        The first argument after the interpreter's options, for a command
-        whose program is a Python interpreter (`python`, `python3.11`, a
-        path to one); None for other programs and for `python -m module`,
-        `python -c code` and `python -` (no script file).
+    None for programs that are not a Python interpreter (`python`,
+    `python3.11`, a path to one) and for `python -m`, `-c` and `-`.
     """
     if not command or not _is_python(command[0]):
         return None
@@ -200,19 +173,14 @@ def python_script(command: Sequence[str]) -> str | None:
 def prepare_command(
     command: Sequence[str], swap_python: bool = True
 ) -> tuple[list[str], str | None]:
-    """Checks a worker command; runs `python` on the launcher's interpreter.
-
-    Nothing is started: the launcher calls it before its first worker.
+    """Checks a worker command, before any starts; may swap its `python`.
 
     Args:
-        command: The program and its arguments, e.g. `["python",
-            "train.py"]`.
+        command: The program and its arguments, e.g. `["python", "train.py"]`.
         swap_python: Whether a program named `python`, `python3` or
-            `pythonX.Y` (a name, not a path) that does not start the
-            interpreter running the launcher (`sys.executable`, with its
-            environment) is replaced by `sys.executable`. From a shell where
-            the virtual environment is not active, `python` is the
-            system's, without Keras. Defaults to True.
+            `pythonX.Y` (a name, not a path) that does not start
+            `sys.executable` in its environment is replaced by it (the module
+            docstring says why). Defaults to True.
 
     Returns:
         The command to run, and a `[launch]` line saying that `python` was
@@ -220,7 +188,7 @@ def prepare_command(
 
     Raises:
         ValueError: If `command` is empty, or the script a `python ...`
-            command names does not exist (see `python_script`).
+            command names does not exist.
     """
     if not command:
         raise ValueError(_EMPTY_COMMAND)
@@ -262,54 +230,41 @@ def launch(
     """Runs `command` as `workers` local processes of one cluster.
 
     Args:
-        command: The program and its arguments, e.g.
-            `["python", "train.py"]`.
+        command: The program and its arguments, e.g. `["python", "train.py"]`.
         workers: The number of worker processes, at least 1.
         replicas_per_worker: CPU replicas per worker (see `worker_environ`).
+            Defaults to None (not set).
         ps: Parameter-server tasks. With `ps > 0`, `command` runs on a
-            "chief" task only (the `AsyncReplicator` coordinator), and the
-            `workers` worker tasks and `ps` ps tasks run TensorFlow servers;
-            the run ends when the chief exits. Defaults to 0.
+            "chief" task only (the `AsyncReplicator` coordinator), the worker
+            and ps tasks run TensorFlow servers, and the run ends when the
+            chief exits. Defaults to 0.
         out: Where prefixed output goes. Defaults to `sys.stdout`.
-        max_restarts: How many times to start every worker again, on new
-            ports, after one exited non-zero or was killed (a `[launch]`
-            line says so each time), the hang watchdog's exit (76)
-            included. Scripts resume from their `BackupAndRestore` backup.
-            A preempted group is not restarted. Defaults to 0.
-        swap_python: Whether a `python` program that is not the launcher's
-            interpreter runs on `sys.executable` instead (a line on stderr
-            says so); see `prepare_command`. Defaults to True.
-        quiet: Whether TensorFlow's C++ start-up logs are hidden: every
-            task gets `TF_CPP_MIN_LOG_LEVEL=3` (unless the environment sets
-            it), and the lines TensorFlow writes before that applies are
-            dropped from the output (see `tf_logs`). Defaults to False.
+        max_restarts: How often to restart every worker, on new ports, after
+            one exited non-zero or was killed, the hang watchdog's exit (76)
+            included; a `[launch]` line says so. Scripts resume from their
+            `BackupAndRestore` backup. A preempted group is not restarted.
+            Defaults to 0.
+        swap_python: See `prepare_command`; a line on stderr says when
+            `python` was swapped. Defaults to True.
+        quiet: Whether TensorFlow's C++ start-up logs are hidden: each task
+            gets `TF_CPP_MIN_LOG_LEVEL=3` unless set, and the lines written
+            before it applies are dropped (`tf_logs`). Defaults to False.
         transport: `"grpc"` (TF_CONFIG for every worker) or `"mpi"`: one
-            `mpiexec -n workers command` (the mpiexec beside
-            `sys.executable`, else on `PATH`; see `find_mpiexec`), one rank
-            and one replica per worker, whose collectives go over mpi4py.
-            Its process group gets the signals a worker would, so
-            preemption, restarts and the reaper work the same. Defaults to
-            `"grpc"`.
+            `mpiexec -n workers command` (`find_mpiexec`), one rank and one
+            replica per worker, collectives over mpi4py. Its process group
+            gets a worker's signals, so preemption, restarts and the reaper
+            work the same. Defaults to `"grpc"`.
 
-    A preemption signal to the launcher (SIGTERM, and those named by
-    `KERAS_REPLICATOR_PREEMPTION_SIGNALS`, default `SIGTERM,SIGUSR1`) is
-    forwarded to every worker; they get 30 seconds to stop at the same
-    step, save and exit, then are killed. If the launcher itself is killed
-    (SIGKILL included), a watcher process kills every worker's process
-    group at once.
-
-    Ports are picked free on 127.0.0.1, but another process may take one
-    before a worker binds it. When a run fails and a worker reported that
-    ("Address already in use"), every worker is ended and the whole command
-    starts again on new ports, up to 3 launches in all: the clash happens
-    as the cluster starts, before any training step.
+    Preempted workers get `PREEMPT_GRACE_SECONDS` (30) to save and exit.
+    A port clash ("Address already in use") relaunches everything on new
+    ports, up to `_PORT_ATTEMPTS` (3) launches in all.
 
     Returns:
         0 if every worker (with `ps`: the chief) succeeded; 75
-        (`preemption.EXIT_CODE`) if the workers were preempted and saved
-        (a signal to the launcher or to a worker); else the exit code of
-        the first worker that failed (128 + N for a worker ended by signal
-        N) once no restart is left; 130 after Ctrl-C.
+        (`preemption.EXIT_CODE`) if the workers were preempted and saved (a
+        signal to the launcher or to a worker); else the first failed
+        worker's exit code (128 + N if ended by signal N) once no restart is
+        left; 130 after Ctrl-C.
 
     Raises:
         ValueError: If `command` is empty or names a script that does not
@@ -381,11 +336,7 @@ def launch(
 
 @contextlib.contextmanager
 def _forwarding(signals, received: list[int]):
-    """Records preemption signals (main thread only); SIGTERM at least.
-
-    Without SIGTERM among the preemption signals, SIGTERM ends every
-    worker at once, like Ctrl-C.
-    """
+    """Records preemption signals in `received` (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -398,7 +349,7 @@ def _forwarding(signals, received: list[int]):
     for sig in signals:
         previous[sig] = signal.signal(sig, record)
     if signal.SIGTERM not in previous:
-        # Treat SIGTERM like Ctrl-C, so workers never outlive the launcher.
+        # Not a preemption signal: SIGTERM ends every worker now, like Ctrl-C.
         previous[signal.SIGTERM] = signal.signal(
             signal.SIGTERM, _raise_interrupt
         )
@@ -410,11 +361,7 @@ def _forwarding(signals, received: list[int]):
 
 
 def find_mpiexec() -> str | None:
-    """The environment's mpiexec: beside `sys.executable`, else on `PATH`.
-
-    Returns:
-        Its path, or None if there is none.
-    """
+    """The mpiexec beside `sys.executable`, else on `PATH`, or None."""
     beside = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
     return beside or shutil.which("mpiexec")
 
@@ -445,15 +392,11 @@ def _check_mpi(replicas_per_worker, ps) -> str:
 
 
 def _rank_prefix_options(mpiexec: str) -> tuple[list[str], bool]:
-    """The options that make `mpiexec` prefix lines with `[worker <rank>] `.
+    """(options, relabel) making `mpiexec` prefix lines `[worker <rank>] `.
 
-    MPICH's and Intel MPI's Hydra take a pattern (`-prepend-pattern`);
-    Open MPI tags each line `[<job>,<rank>]<stdout>:` (`--tag-output`),
-    which `_pump` turns into the same prefix. Another mpiexec gets none,
-    and its lines are prefixed `[mpiexec] `.
-
-    Returns:
-        The options, and whether the launcher must relabel Open MPI's tags.
+    Hydra (MPICH, Intel MPI) takes `-prepend-pattern`. Open MPI's
+    `--tag-output` tags lines `[<job>,<rank>]<stdout>:`, which `_pump`
+    relabels. Other mpiexecs get no options; their lines get `[mpiexec] `.
     """
     try:
         version = subprocess.run(
@@ -481,10 +424,7 @@ _SIGNALED = re.compile(r"\[keras-replicator\] preempted \((SIG[A-Z0-9]+)\)")
 
 
 def _mpi_task(command, workers, mpiexec):
-    """(name, argv, env) of one `mpiexec -n workers command`.
-
-    The name is None when mpiexec prefixes each rank's lines itself.
-    """
+    """[(name, argv, env)] of one mpiexec; name None if it prefixes lines."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -513,10 +453,6 @@ def _launch_once(
 ):
     """One launch: its exit code, whether a port clashed, and was preempted."""
     ports = free_ports(workers)
-    # With parameter servers, `command` runs on the chief only; workers and
-    # ps tasks run a bare TensorFlow server (SERVE_COMMAND). Under MPI one
-    # mpiexec starts every rank, in its own process group: signals to the
-    # group reach every rank, as they reach one worker under gRPC.
     tasks = (
         _mpi_task(command, workers, mpiexec)
         if mpiexec
@@ -629,11 +565,11 @@ def _pump(
     signaled: dict[int, str] | None = None,
     relabel: bool = False,
 ) -> None:
-    """Prints a worker's lines with `prefix`, noting what they tell.
+    """Prints a worker's lines with `prefix`; notes clashes and signals.
 
-    A line saying its worker received the preemption signal itself goes
-    into `signaled` (worker index -> signal name), so the launcher names
-    that worker. With `relabel`, Open MPI's tags become `[worker i] `.
+    A line saying its worker received the preemption signal itself goes into
+    `signaled` (worker index -> signal name). With `relabel`, Open MPI's tags
+    become `[worker i] `.
     """
     own_index = _WORKER_PREFIX.match(prefix)
     for raw in iter(stream.readline, b""):
@@ -691,9 +627,8 @@ def _wait_all(
             if code is None:
                 running = True
             elif code == preemption.EXIT_CODE:
-                # Every worker leaves with this code once they agreed: the
-                # first to exit is not always the one that got the signal.
-                # Its own line says which did (`_pump`).
+                # Every worker exits so once they agree; the first out need
+                # not be the one signalled, whose own line names it (`_pump`).
                 _wait_for_exits(procs, _SIGNALED_LINE_SECONDS)
                 _print(out, lock, _preempted_line(index, code, signaled))
                 return _wait_preempted(procs, out, lock), True
@@ -721,8 +656,8 @@ def _wait_all(
         time.sleep(0.1)
 
 
-# How long the launcher waits for the other workers (and the line of the
-# one that got the signal) before it reports a preemption.
+# Seconds to wait for the others (and the signalled worker's line) before
+# reporting a preemption.
 _SIGNALED_LINE_SECONDS = 5.0
 
 

@@ -1,17 +1,13 @@
 """Keeps TensorFlow out of `keras-replicator --help`, `launch` and `tf-config`.
 
-The command's entry point, `keras_replicator._src.cli.main`, lives inside
-the package, so Python runs `keras_replicator/__init__.py` before it; that
-file imports TensorFlow (5-8 s and a screen of C++ logs on a small machine)
-for the public names and splits the CPU at import. In the command's own
-process, and only there, the package skips those imports (`defer`), and the
-commands that need TensorFlow (`env`, `demo`) load them first (`load`), so
-they run exactly as after a plain `import keras_replicator`. Every other
-program, a training script, a notebook or a worker the launcher starts,
-imports the package as before.
-
-TensorFlow-free: this module is imported by `keras_replicator/__init__.py`
-before anything else.
+The command's entry point, `keras_replicator._src.cli.main`, is inside the
+package, so Python first runs `keras_replicator/__init__.py`, which imports
+TensorFlow for the public names (5-8 s and a screen of C++ logs on a small
+machine) and splits the CPU. Only in the command's own process, the package
+skips those imports (`defer`); commands needing TensorFlow (`env`, `demo`)
+`load` them first, exactly as a plain `import keras_replicator` would.
+Scripts, notebooks and launched workers import the package as before.
+TensorFlow-free: `keras_replicator/__init__.py` imports it before anything.
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ PACKAGE = "keras_replicator"
 COMMAND = "keras-replicator"
 CLI_MODULE = "keras_replicator._src.cli.main"
 
-# None until `defer` decides, once per process; then whether the package's
-# imports are still waiting for `load`.
+# None until `defer` decides (once per process); then whether imports await
+# `load`.
 _deferred: bool | None = None
 
 
@@ -54,11 +50,8 @@ def _is_the_command() -> bool:
 def defer() -> bool:
     """Whether `keras_replicator/__init__.py` should skip its imports now.
 
-    True only in the `keras-replicator` command's process, before `load`.
-
-    Returns:
-        True to skip them (the package then loads them on first attribute
-        access, or when a command calls `load`).
+    True only in the `keras-replicator` command's process, before `load`; the
+    package then loads them on first attribute access or on `load`.
     """
     global _deferred
     if _deferred is None:
@@ -69,11 +62,8 @@ def defer() -> bool:
 def load() -> types.ModuleType:
     """Runs the package's deferred imports, once; returns the package.
 
-    Does nothing when the package was imported in full (every process but
-    the command's, or after a first call).
-
-    Returns:
-        The `keras_replicator` module, with every public name.
+    A no-op if the package was imported in full (every process but the
+    command's, or after a first call).
     """
     global _deferred
     package = sys.modules[PACKAGE]
@@ -93,12 +83,6 @@ def attribute(name: str):
     """The package's `name`, loading the package first if it waits.
 
     The package's module `__getattr__` while its imports are deferred.
-
-    Args:
-        name: A public name of the package, such as `"LocalReplicator"`.
-
-    Returns:
-        Its value.
 
     Raises:
         AttributeError: If the package has no such name.

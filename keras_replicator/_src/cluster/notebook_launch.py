@@ -1,16 +1,9 @@
 """`kr.launch(fn, ...)`: run a function on local worker processes.
 
-The notebook counterpart of `keras-replicator launch` (Hugging Face
-Accelerate's `notebook_launcher`, for Keras on TensorFlow): `fn` is
-serialized by value with cloudpickle, so a function defined in a notebook
-cell (it lives in `__main__`) works, and runs in fresh processes that each
-get a `TF_CONFIG` on free loopback ports. Their output streams into the
-caller (the cell) line by line, prefixed with the task's name; their return
-values come back in worker order.
-
-Fresh processes matter: TensorFlow fixes its devices and cluster when its
-runtime starts, so workers cannot be threads of a kernel that already ran
-TensorFlow, and every call gets new processes (calling it again in the same
+The notebook counterpart of `keras-replicator launch` (as Hugging Face
+Accelerate's `notebook_launcher`). TensorFlow fixes its devices and cluster
+when its runtime starts, so workers cannot be threads of a kernel that ran
+TensorFlow: every call starts fresh processes (calling again in the same
 kernel works).
 """
 
@@ -66,37 +59,33 @@ def launch(
 ) -> list:
     """Runs `fn(*args, **kwargs)` on local worker processes; returns results.
 
-    Starts `workers` fresh Python processes, each with a `TF_CONFIG` naming
-    every worker at `127.0.0.1:<free port>`, so `kr.auto()` (or
+    Starts `workers` fresh processes, each with a `TF_CONFIG` naming every
+    worker at `127.0.0.1:<free port>`, so `kr.auto()` (or
     `kr.MultiWorkerReplicator()`) in `fn` makes one synchronous cluster.
-    Works from a notebook cell (a function defined in the notebook is sent
-    by value) and from scripts; `fn`, `args`, `kwargs` and the return
-    values must be picklable by cloudpickle.
+    Create the replicator first in `fn`, before other TensorFlow code (see
+    `MultiWorkerReplicator`). `fn`, `args`, `kwargs` and the return values
+    must be picklable by cloudpickle, which sends a function defined in a
+    notebook cell by value.
 
-    Each line the workers print appears in the caller prefixed with
-    `[worker i]` (`[chief]`, `[ps i]` with parameter servers); use
-    `verbose=2` in `fit` for one line per epoch. When a worker raises, the
-    others are ended and its exception is raised here, with the worker's
-    traceback as its cause. Interrupting the caller (Ctrl-C, or the
-    notebook's interrupt button) ends every worker; so does the caller's
-    death, however it dies (a watcher process kills every worker's process
-    group when the caller is gone, SIGKILL included). A worker stuck for
-    the hang watchdog's timeout prints its stacks and exits with code 76,
-    and `launch` raises a `RuntimeError` saying so. Create the replicator
-    first in `fn`, before other TensorFlow code (see
-    `MultiWorkerReplicator`).
+    Worker output streams into the caller line by line, prefixed `[worker i]`
+    (`[chief]`, `[ps i]` with parameter servers); `verbose=2` in `fit` prints
+    one line per epoch. When a worker raises, the others are ended and its
+    exception is raised here, its traceback as the cause. Interrupting the
+    caller (Ctrl-C, the notebook's interrupt button) ends every worker; so
+    does the caller's death, SIGKILL included (a watcher process kills the
+    workers' process groups). A worker stuck for the hang watchdog's timeout
+    prints its stacks and exits with code 76, and a `RuntimeError` says so.
 
     With `ps > 0` the cluster is asynchronous (`kr.AsyncReplicator`): `fn`
-    runs once, on the "chief" task (the coordinator), while the `workers`
-    worker tasks and `ps` parameter servers only run TensorFlow servers;
-    the result is then a one-element list, `[fn's return value on the
-    chief]`, and the servers are ended when it returns.
+    runs once, on the "chief" (the coordinator), the worker and ps tasks run
+    TensorFlow servers, and the result is `[fn's return value on the chief]`;
+    the servers are ended then.
 
     Bounds: a worker whose peers never come up ends after the replicator's
-    `timeout_seconds` (default 60 s); a lost worker is reported within
-    about 10 s; after every worker returned, the processes get 30 s to
-    exit before they are killed; ended workers get 5 s before SIGKILL. The
-    run itself has no time limit (training takes what it takes).
+    `timeout_seconds` (default 60 s); a lost worker is reported within about
+    10 s; after every worker returned, the processes get 30 s to exit before
+    they are killed; ended workers get 5 s before SIGKILL. The run itself has
+    no time limit.
 
     Example (in a notebook cell):
     ```python
@@ -114,10 +103,10 @@ def launch(
         *args: Positional arguments for `fn`.
         workers: Worker processes, at least 1. Defaults to 2.
         replicas_per_worker: CPU replicas per worker (sets
-            `KERAS_REPLICATOR_CPU_REPLICAS`). Defaults to None: the
-            caller's `KERAS_REPLICATOR_CPU_REPLICAS` if set, else 1 CPU
-            replica per worker (or its GPUs; every worker sees every GPU
-            of the host, untested here).
+            `KERAS_REPLICATOR_CPU_REPLICAS`). Defaults to None: the caller's
+            `KERAS_REPLICATOR_CPU_REPLICAS` if set, else 1 CPU replica per
+            worker (or its GPUs; each worker sees all the host's GPUs,
+            untested here).
         ps: Parameter servers. Defaults to 0 (synchronous workers).
         **kwargs: Keyword arguments for `fn`.
 

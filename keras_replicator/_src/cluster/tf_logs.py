@@ -1,30 +1,24 @@
 """Keeps TensorFlow's C++ start-up logs out of the `keras-replicator` commands.
 
-On a CPU machine, importing TensorFlow 2.21 and listing its devices writes
-up to nine lines to stderr: absl's "All log messages before
-absl::InitializeLog() is called are written to STDERR", the oneDNN notice,
-"Could not find cuda drivers" (cudart_stub), the cpu_feature_guard notice
-and "failed call to cuInit". `TF_CPP_MIN_LOG_LEVEL=3`, set before TensorFlow
-loads, hides the last two and every later C++ log below FATAL; the first
-three are written while TensorFlow's libraries load, before that setting
-applies, because absl writes every message to stderr until
-`absl::InitializeLog()` is called, which TensorFlow never does
-(abseil/abseil-cpp#1718, tensorflow/tensorflow#100442). Those lines carry
-the timestamp absl writes before its initialisation (`I0000 00:00:<unix
-seconds>`), which Python's absl logging never writes, so they are filtered
-out by their format (`StartupLogFilter`).
+On CPU, importing TensorFlow 2.21 and listing devices writes up to nine
+stderr lines: absl's "All log messages before absl::InitializeLog() is called
+are written to STDERR", the oneDNN notice, "Could not find cuda drivers"
+(cudart_stub), the cpu_feature_guard notice and "failed call to cuInit".
+`TF_CPP_MIN_LOG_LEVEL=3`, set before TensorFlow loads, hides the last two and
+every later C++ log below FATAL. The first three come while TensorFlow's
+libraries load, before that applies: absl writes everything to stderr until
+`absl::InitializeLog()`, which TensorFlow never calls (abseil/abseil-cpp#1718,
+tensorflow/tensorflow#100442). They carry absl's pre-initialisation timestamp
+(`I0000 00:00:<unix seconds>`), which Python's absl never writes, so
+`StartupLogFilter` drops them by their format.
 
-The commands (`demo`, `env`, `launch` and the workers it starts) hide them
-unless `--verbose` is given or the user set `TF_CPP_MIN_LOG_LEVEL`
-(`quiet_wanted`). So does a process that another launcher started as one
-of a job's processes (`mpiexec`, `srun`, or a `TF_CONFIG` of several
-tasks, as Kubernetes sets) when it imports `keras_replicator` before
-TensorFlow (`quiet_launched_process`): every rank would otherwise print
-the start-up logs, and TensorFlow's coordination service an INFO line for
-every barrier (the library's saves pass several). A single-process
-program that imports `keras_replicator` is left alone.
-
-TensorFlow-free.
+The commands (`demo`, `env`, `launch` and its workers) hide them unless
+`--verbose` is given or `TF_CPP_MIN_LOG_LEVEL` is set (`quiet_wanted`). So
+does a process of a job another launcher started (`mpiexec`, `srun`, or a
+multi-task `TF_CONFIG` as Kubernetes sets) that imports `keras_replicator`
+before TensorFlow (`quiet_launched_process`): else every rank prints them,
+and TensorFlow's coordination service an INFO line per barrier (the library's
+saves pass several). Single-process programs are left alone. TensorFlow-free.
 """
 
 from __future__ import annotations
@@ -53,13 +47,8 @@ def quiet_wanted(
 ) -> bool:
     """Whether a command should hide TensorFlow's C++ logs.
 
-    Args:
-        verbose: Whether `--verbose` was given.
-        environ: The environment. Defaults to `os.environ`.
-
-    Returns:
-        True unless `verbose`, or `TF_CPP_MIN_LOG_LEVEL` is set (the user's
-        own choice of level is kept, and their logs shown).
+    True unless `verbose` (`--verbose`) or `environ` (default `os.environ`)
+    sets `TF_CPP_MIN_LOG_LEVEL`: the user's own level is kept.
     """
     environ = os.environ if environ is None else environ
     return not verbose and LEVEL_ENV not in environ
@@ -90,15 +79,10 @@ class StartupLogFilter:
 def hidden_startup_logs() -> Iterator[None]:
     """Drops TensorFlow's start-up log lines from this process's stderr.
 
-    Import TensorFlow inside the block. Everything written to file
-    descriptor 2 meanwhile (C++ code writes there, not to `sys.stderr`) is
-    held in a temporary file, then written to stderr without the start-up
-    log lines, so Python warnings and errors of the import still show.
-    Set `TF_CPP_MIN_LOG_LEVEL` before the block: it hides the logs that
-    come later.
-
-    Yields:
-        None.
+    Import TensorFlow inside the block, with `TF_CPP_MIN_LOG_LEVEL` set before
+    it (for the later logs). File descriptor 2, where C++ code writes, goes to
+    a temporary file meanwhile, then to stderr without the start-up lines, so
+    the import's Python warnings and errors still show.
     """
     sys.stderr.flush()
     saved = os.dup(2)
@@ -154,12 +138,10 @@ def launched(environ: Mapping[str, str] | None = None) -> bool:
 def quiet_launched_process() -> None:
     """Hides TensorFlow's C++ logs in one process of a multi-process job.
 
-    Called by `keras_replicator/__init__.py` before it imports TensorFlow.
-    Only when this process is one of a job's (`launched`), TensorFlow is
-    not imported yet (then it is too late) and the user did not set
-    `TF_CPP_MIN_LOG_LEVEL`: it sets that to `QUIET_LEVEL`, as `keras-
-    replicator launch` does for its workers, and imports TensorFlow with
-    the start-up lines dropped.
+    Called by `keras_replicator/_src/__init__.py`. Only in a job's process
+    (`launched`), before TensorFlow is imported, and if the user did not set
+    `TF_CPP_MIN_LOG_LEVEL`: sets it to `QUIET_LEVEL`, as `launch` does for its
+    workers, and imports TensorFlow with the start-up lines dropped.
     """
     if "tensorflow" in sys.modules or not quiet_wanted() or not launched():
         return

@@ -1,38 +1,32 @@
 """Save at the step on preemption, atomically, and resume at that step.
 
 Keras 3's `BackupAndRestore` saves at epoch ends (or every `save_freq`
-batches), writes its two files in place (a process killed while writing
-leaves a backup that does not load, or weights of one step with the epoch
-of another), and on restore restarts the saved epoch from its first batch:
-its metadata records the batch, but nothing skips the batches done, and
-with `save_freq` the same number means "after batch 0" and "after the
+batches), writes its two files in place (a kill mid-write leaves a backup
+that does not load, or one step's weights with another's epoch), and
+restarts the saved epoch from its first batch: nothing skips the batches
+done, and with `save_freq` one number means "after batch 0" and "after the
 epoch" (keras-team/keras#17012, #19179). Under `LocalReplicator` and
-`MultiWorkerReplicator` this patch, with no change to user code:
+`MultiWorkerReplicator`, with no change to user code, this patch:
 
-- tracks, per `fit`, the epoch and the steps done in it (`CallbackList`
-  epoch and batch hooks), and at each train batch end asks
-  `training.preemption` whether every worker agrees to stop; then every
-  `BackupAndRestore` of the fit saves at that step and the process exits
-  with `preemption.EXIT_CODE`. A fit without one stops at the step too;
-- writes every backup of `BackupAndRestore` atomically: into
-  `<backup_dir>.partial`, then two renames (the old backup is kept as
-  `<backup_dir>.previous` between them), so a process killed at any point
-  leaves a complete backup: the new one, or the previous one, which
-  restoring falls back to. The metadata also records the exact steps done;
-- on restore, hands the record to `training/resumption.py`, which makes
-  the first epoch of the fit replay the data order of an uninterrupted run
-  (the batches already trained are pulled again, untrained) and checks
-  that the backup's topology can resume exactly here;
-- restores a sharded backup (a `ModelParallel` run's) onto whatever the
-  fit runs on, and prints one line naming it. A fit under none of our
-  replicators restores it too (`backup_guard`); no fit deletes a backup
-  it did not restore;
+- tracks each `fit`'s epoch and steps done (`CallbackList` hooks) and at
+  each train batch end asks `training.preemption` whether every worker
+  agrees to stop; then every `BackupAndRestore` saves at that step and the
+  process exits with `preemption.EXIT_CODE` (a fit without one stops too);
+- writes each backup atomically: into `<backup_dir>.partial`, then two
+  renames (the old one kept as `<backup_dir>.previous` between them, which
+  restore falls back to), recording the exact steps done;
+- on restore, has `training/resumption.py` replay an uninterrupted run's
+  data order in the first epoch (trained batches pulled again, untrained)
+  and check the backup's topology can resume exactly here;
+- restores a sharded (`ModelParallel`) backup onto whatever the fit runs
+  on, printing one line; a fit under no replicator of ours does too
+  (`backup_guard`); no fit deletes a backup it did not restore;
 - stops the hang watchdog's clock while a backup is written, and counts a
-  train batch end as its progress (`training/hang_watchdog.py`).
+  train batch end as progress (`training/hang_watchdog.py`).
 
-A fit's progress is `training/resumption.py`'s `Run`: its `fit_scope`
-(composed into `fit` by `trainer_loops`) installs the signal handlers for
-one fit and puts them back after it, however it ends.
+A fit's progress is `resumption.Run`, whose `fit_scope` (composed into `fit`
+by `trainer_loops`) installs the signal handlers for one fit and puts them
+back however it ends.
 """
 
 from __future__ import annotations
@@ -100,16 +94,13 @@ def _on_train_batch_end(original, self, batch, logs=None):
 def _on_train_end(original, self, logs=None):
     run = resumption.run_for(self.model)
     if run is not None and not getattr(self.model, "stop_training", False):
-        # Every worker gets here together, after the same steps. A signal
-        # after the last check: the training is done, but the process was
-        # asked to leave. Back up the end before Keras deletes the backup,
-        # and leave: the restarted script's fit trains nothing and goes on
-        # to what follows it. (Stock behaviour re-delivers the signal after
-        # fit, killing the script before its own final save, with the
-        # backup already gone.) Several workers agree with one more sum,
-        # which is also the barrier a fit that trained nothing (resumed at
-        # its end) needs: no worker deletes the backup before every worker
-        # restored it.
+        # Every worker gets here after the same steps. A signal after the last
+        # check: back up the end before Keras deletes the backup, and leave;
+        # the restarted fit trains nothing and the script goes on (stock
+        # re-delivers the signal after fit, killing the script before its
+        # final save, backup gone). The workers agree with one more sum, also
+        # the barrier a fit resumed at its end needs: no worker deletes the
+        # backup before every worker restored it.
         if run.agreement.should_stop_at_end():
             # A fit that trained nothing leaves the restored backup as is.
             _stop(self, run, save=run.in_epochs)
@@ -130,8 +121,7 @@ def _backups(callbacks) -> list:
 def _deletes_at_end(backup) -> bool:
     """Whether Keras' own `on_train_end` deletes `backup`'s folder next.
 
-    Not so for a subclass with an `on_train_end` of its own: what it does
-    is not known, so its backup in flight is finished.
+    Not for a subclass with its own `on_train_end` (its backup is finished).
     """
     return bool(getattr(backup, "delete_checkpoint", False)) and (
         type(backup).on_train_end is _Backup.on_train_end
@@ -141,15 +131,11 @@ def _deletes_at_end(backup) -> bool:
 def _deleted_unread(backup, run: resumption.Run) -> bool:
     """Whether a save of `backup` now would be deleted unread, so is skipped.
 
-    So at the training's end (the last epoch's last step, or its end) when
-    Keras' own `on_train_end` deletes the backup next: the save would cost
-    its write (minutes of a large model's, on shared storage) for nothing.
-    A crash before the deletion resumes from the previous backup, at most
-    `save_freq` steps back, as a crash between any two saves does. A
-    preemption's backup (`_stop`) is always written: the restarted script
-    skips the fit it finished. Where the number of steps is not known (a
-    dataset of unknown length), a save at the last step is written; the
-    last epoch's end is known either way (`save_freq="epoch"`).
+    So at the training's end when Keras' `on_train_end` deletes it next: a
+    write (minutes for a large model on shared storage) for nothing. A crash
+    before the deletion resumes from the previous backup, at most
+    `save_freq` steps back. A preemption's backup (`_stop`) is always
+    written, and so is a last-step save where the step count is unknown.
     """
     if run.stopping or not _deletes_at_end(backup):
         return False
@@ -168,11 +154,9 @@ _ends = itertools.count()
 def _backup_on_train_end(original, self, logs=None):
     """Keras deletes the backup; then every process waits for that.
 
-    Over several processes the chief deletes it, and every process reads
-    a sharded backup from the one folder: without the wait, a process
-    whose next `fit` began at once could find the backup half deleted
-    (an index whose files are gone), or whole, and restore it while the
-    others start afresh.
+    The chief deletes it and all read a sharded backup from one folder:
+    without the wait, a process's next `fit` could find it half deleted, or
+    whole and restore it while the others start afresh.
     """
     run = resumption.run_for(self.model)
     try:
@@ -281,14 +265,11 @@ _backup_saves: list = []
 def _finish_backups(abandon_deleted: bool) -> None:
     """Waits for this process's sharded backup in flight, if any.
 
-    With `abandon_deleted` (a fit's end), one that Keras' `on_train_end`
-    deletes next (`delete_checkpoint=True`, the default) is abandoned
-    (`CheckpointSave._abandon`) rather than finished only to be deleted:
-    the fit's end does not wait for its write. The previous complete
-    backup stays until the deletion, so a crash in between (or a callback
-    whose `on_train_end` raises first) resumes from it. With no previous
-    backup (the fit's first save), the save is finished: nothing else
-    would be there to resume from.
+    With `abandon_deleted` (a fit's end), one Keras' `on_train_end` deletes
+    next (`delete_checkpoint=True`, the default) is abandoned
+    (`CheckpointSave._abandon`), not finished; the previous complete backup
+    stays until the deletion for a crash in between to resume from. A fit's
+    first save (no previous backup) is finished.
     """
     # A long write is no hang: the watchdog's clock stops meanwhile.
     with hang_watchdog.paused():
@@ -307,12 +288,11 @@ def _has_sharded_variables(model) -> bool:
 def _save_sharded(self, run: resumption.Run, target: str) -> None:
     """Every process writes its blocks to `<backup_dir>/sharded`.
 
-    No variable is gathered; the files are written in the background
-    (`sharding/checkpoint.py`), and the next save, the end of the fit and
-    a preemption's exit wait for them. The training position goes into the
-    checkpoint's index, so weights and position commit together. Once the
-    index is in place, process 0 removes a whole backup left from a run
-    under another distribution.
+    Nothing is gathered; files are written in the background
+    (`sharding/checkpoint.py`), awaited by the next save, the fit's end and a
+    preemption's exit. The training position is in the index, so weights and
+    position commit together; then process 0 removes a whole backup left by
+    a run under another distribution.
     """
     metadata = {
         "epoch": run.epoch,

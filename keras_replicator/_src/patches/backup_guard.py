@@ -1,33 +1,26 @@
 """A backup `BackupAndRestore` finds is restored, whatever runs the fit.
 
-Keras' `BackupAndRestore` looks for its own two files only. A backup our
-preemption patch wrote can hold something else: a sharded checkpoint in
-`<backup_dir>/sharded` (a `ModelParallel` run: every process wrote its
-blocks), or, when a process was killed between the two renames of an
-atomic save, the complete backup in `<backup_dir>.previous`. Under our
-replicators the preemption patch restores both. But a fit that runs on
-none of them (one device, as a user runs a script to debug it, or another
-`tf.distribute` strategy) had stock Keras look, find nothing, train from
-the first epoch and, at its end, delete `<backup_dir>` with the backup it
-never read.
+Keras' `BackupAndRestore` looks for its own two files. Ours may hold a
+sharded checkpoint in `<backup_dir>/sharded` (a `ModelParallel` run) or, for
+a process killed between an atomic save's renames, the complete backup in
+`<backup_dir>.previous`. Our replicators restore both; a fit on none (one
+device while debugging, another strategy) found nothing, trained from the
+first epoch and deleted the backup at its end.
 
-This patch, installed when `keras_replicator` is imported (like
-`keras_distribution`: the fit may run under no replicator at all), makes
-`BackupAndRestore.on_train_begin` of such a fit
+Installed at import (the fit may run under no replicator), this makes such a
+fit's `BackupAndRestore.on_train_begin`
 
 - restore a sharded backup (`sharding/checkpoint.py` reads it onto one
-  device, or any strategy), at the epoch it recorded, and print one line
-  that says what was restored. Only our strategies replay the batches of
-  an epoch already trained; here, as Keras does with its own backups, an
-  epoch stopped inside starts again at its first batch, and the line says
-  so. A backup that does not load here raises a `ValueError` naming it and
-  `kr.load_checkpoint`, before training, so nothing deletes it;
-- restore a whole backup left in `<backup_dir>.previous` (renamed back
-  into place first, so that Keras reads it and deletes it at the end);
-- say which whole backup of ours it restored, in the same line.
+  device or any strategy) at its recorded epoch, printing one line; an epoch
+  stopped inside restarts at its first batch, as Keras does (only our
+  strategies replay), and the line says so. One that does not load raises a
+  `ValueError` naming it and `kr.load_checkpoint` before training, so
+  nothing deletes it;
+- restore a whole backup in `<backup_dir>.previous` (renamed back first, so
+  Keras reads and later deletes it), naming it in the same line.
 
-A fit under our replicators goes to the preemption patch's
-`_load_model`, which restores at the exact step.
+Under our replicators the preemption patch's `_load_model` restores at the
+exact step.
 """
 
 from __future__ import annotations

@@ -1,34 +1,24 @@
 """`BatchNormalization`'s training statistics: the global batch's where due.
 
-The README's first promise is that single-device Keras code trains the
-same weights and logs the same numbers as one device. A Keras
-`BatchNormalization` in training mode normalizes by the moments of the
-batch it sees; under tf.distribute each replica sees only its share, so
-its statistics (and with them the loss, the gradients and the moving
-statistics) are not one device's. keras.io's convnet on 2 processes gave
-an epoch-3 loss of 1.3166 against one device's 1.3005.
+A `BatchNormalization` in training normalizes by its batch's moments; under
+tf.distribute each replica sees its share, so statistics, loss, gradients
+and moving statistics are not one device's (keras.io's convnet on 2
+processes: epoch-3 loss 1.3166 against 1.3005).
 
-This patch owns `BatchNormalization._moments` (what Keras'
-`BatchNormalization.call` calls in training mode). Where the step being
-traced is one device's code under a replicator with `sync_batch_norm=True`
-(the default: Keras' `fit`, `evaluate`, `train_on_batch`, a custom
-`train_step`, `replicate`), or under a `keras.distribution`, the moments
-are the global batch's, with one all-reduce per layer and step
-(`layers/cross_replica_batch_norm.sync_moments`, what
-`kr.callbacks.SyncBatchNorm` uses). Everywhere else (the user's own
-`strategy.run`, `sync_batch_norm=False`, a stock strategy, no strategy, a
-layer of `synchronized=True`) it is Keras' own. The rule is
-`cross_replica_batch_norm.global_statistics_due`'s.
+This patch owns `BatchNormalization._moments`. Where the traced step is one
+device's code under a replicator with `sync_batch_norm=True` (the default:
+`fit`, `evaluate`, `train_on_batch`, a custom `train_step`, `replicate`), or
+under a `keras.distribution`, the moments are the global batch's, one
+all-reduce per layer and step (`cross_replica_batch_norm.sync_moments`, as
+`kr.callbacks.SyncBatchNorm`). Elsewhere (`strategy.run`,
+`sync_batch_norm=False`, a stock or no strategy, `synchronized=True`) they
+are Keras'. The rule is `cross_replica_batch_norm.global_statistics_due`.
 
-A class attribute, decided when traced: the layers stay plain Keras
-layers (nothing is set on them, so a saved model is plain Keras), and a
-model's train function is traced as it always is. `SyncBatchNorm` sets an
-instance attribute that shadows this one during its `fit`.
-
-With `jit_compile=True` on several replicas, each replica's step is
-compiled on its own device and cannot all-reduce inside it: there the
-statistics stay per replica, and a warning says so once
-(`patches/per_replica_jit.py` compiles the step).
+A class attribute decided when traced: layers stay plain Keras (a saved
+model is plain Keras); `SyncBatchNorm` shadows it per instance during its
+`fit`. With `jit_compile=True` on several replicas each replica's compiled
+step cannot all-reduce: statistics stay per replica, with one warning
+(`patches/per_replica_jit.py`).
 """
 
 from __future__ import annotations

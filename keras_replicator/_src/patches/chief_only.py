@@ -1,36 +1,27 @@
 """Side effects once per cluster: files and progress bars on the chief only.
 
-Under a multi-worker replicator every worker runs the same `model.fit`, so
-every `ModelCheckpoint`, `TensorBoard`, `CSVLogger` and `BackupAndRestore`
-would write, racing on the same paths (tensorflow/tensorflow#31070). The
-non-chief workers can't simply skip the writes: saving reads metric
-variables, which under a multi-worker strategy is a collective all workers
-must join. tf-keras solved this by letting non-chief workers write to a
-temporary directory (`distributed_file_utils`); Keras 3 dropped that.
+Every worker runs the same `model.fit`, so every `ModelCheckpoint`,
+`TensorBoard`, `CSVLogger` and `BackupAndRestore` would race on the same
+paths (tensorflow/tensorflow#31070). Non-chiefs cannot skip the writes:
+saving reads metric variables, a collective all must join. tf-keras sent
+their writes to a temporary directory (`distributed_file_utils`); Keras 3
+dropped that. This patch brings it back on `CallbackList.__init__`, for our
+replicators on a non-chief only:
 
-This patch brings it back, with no change to user code. When
-`MultiWorkerReplicator` is created it installs a small, reversible hook on
-`keras.callbacks.CallbackList.__init__` (`patches/registry.py`). The hook
-does nothing unless the model's strategy is one of our replicators and this
-process is not the chief; then it
+- the callbacks' file paths point at a fresh temporary directory
+  (`BackupAndRestore` restores from the chief's real backup first; a model
+  with sharded variables backs up into the real one from every process:
+  `real_backup_dir`, `patches/backup_and_restore.py`);
+- the progress bar is dropped;
+- at the end of fit/evaluate/predict the paths are restored and the
+  directory deleted.
 
-- points the file paths of the callbacks above at a fresh temporary
-  directory (`BackupAndRestore` first restores from the real backup, which
-  the chief wrote, then writes to the temporary one; a model with sharded
-  variables backs up into the real one from every process, each writing
-  its blocks: `real_backup_dir`, `patches/backup_and_restore.py`);
-- drops the progress bar;
-- at the end of fit/evaluate/predict restores the callbacks' paths and
-  deletes the temporary directory.
-
-A call that raises runs no `*_end` hook. Its paths are restored as soon as
-the call is known to be over: when its `CallbackList` is garbage collected
-(a script that caught the error), or when the next fit/evaluate/predict
-starts and the raised call's frame is not executing in any thread (a
-notebook, whose last traceback keeps that frame alive). A call nested in a
-running one (a callback calling `predict` with fit's own callbacks) is not
-mistaken for that: the outer call's frame is still executing. At exit the
-temporary directories go in any case.
+A call that raises runs no `*_end` hook; its paths are restored once it is
+known to be over: its `CallbackList` is collected (a script caught the
+error), or the next call starts and its frame executes in no thread (a
+notebook's traceback keeps it alive). A nested call (a callback calling
+`predict`) is not mistaken for it: the outer frame still executes. At exit
+the directories go in any case.
 
 `PATCH.pins` records the Keras signature and attributes this relies on;
 `tests/test_patches.py` fails when a Keras upgrade changes them.
@@ -154,16 +145,10 @@ def real_backup_dir(backup) -> str:
 def redirect(callbacks, worker_index: int) -> list:
     """Sends a non-chief worker's file writes to a temporary directory.
 
-    Args:
-        callbacks: The callbacks given to fit/evaluate/predict (a list, a
-            nest or None).
-        worker_index: This worker's index, used in the directory name.
-
-    Returns:
-        A new list: the callbacks without progress bars, their paths
-        pointed at a new temporary directory, plus the internal callbacks
-        that switch `BackupAndRestore` to it after restoring and that clean
-        up at the end.
+    Returns a new list of `callbacks` (a list, a nest or None): no progress
+    bars, paths in a new directory named with `worker_index`, plus internal
+    callbacks that switch `BackupAndRestore` to it after restoring and
+    clean up at the end.
     """
     flat = keras.tree.flatten(callbacks) if callbacks else []
     flat = [c for c in flat if not isinstance(c, keras.callbacks.ProgbarLogger)]
@@ -237,12 +222,9 @@ class _Cleanup(keras.callbacks.Callback):
     def track(self, callback_list_, frame) -> None:
         """Finishes when `callback_list_` is collected, or is abandoned.
 
-        Only a `CallbackList` made by Keras' fit/evaluate/predict counts as
-        abandoned once its creating frame ends (see `finish_abandoned`);
-        one a user builds outside them lives as long as the user keeps it.
-        The frame is kept by id and code only (no reference, so no leak):
-        while the `CallbackList` lives, the frame that holds it does too,
-        and its id is not reused.
+        Only one made by Keras' fit/evaluate/predict is abandoned when its
+        creating frame ends (`finish_abandoned`). The frame is kept by id and
+        code (no reference, no leak): it lives while the list does.
         """
         code = frame.f_code
         if code.co_name in _KERAS_CALLERS and "keras" in code.co_filename:

@@ -1,40 +1,27 @@
 """Keras saves called on every process: the chief writes, the others read.
 
-A JAX-style `keras.distribution` script calls `model.save_weights(path)`,
-`model.save(path)` or a `ModelCheckpoint` on every process with the same
-path. Under a multi-process replicator every process then opened the same
-file, and h5py's lock failed in all of them (`BlockingIOError: unable to
-lock file`). The processes cannot simply skip the save either: a value
-sharded by `ModelParallel` is assembled by an all-gather that every
-process must join.
+A JAX-style script calls `model.save_weights(path)`, `model.save(path)` or a
+`ModelCheckpoint` on every process with one path: each opened the file and
+h5py's lock failed (`BlockingIOError: unable to lock file`). Skipping is no
+way out: a `ModelParallel` value is assembled by an all-gather all join.
 
-So on a process other than the chief, `saving_lib.save_weights_only` and
-`saving_lib.save_model` walk the model exactly as the chief's save does,
-in the same order, and read every value into nothing (`_NoWrites`): they
-join each gather and write no file. The chief's save writes one variable
-at a time, as Keras does, so no process holds the whole model.
+So on non-chiefs `saving_lib.save_weights_only` and `saving_lib.save_model`
+walk the model as the chief's save does and read every value into nothing
+(`_NoWrites`): they join each gather and write nothing. The chief writes one
+variable at a time, as Keras does: no process holds the whole model.
 
-A save returns on every process only once the chief has closed the file:
-every process waits at a barrier after the write, and at one before it, so
-the chief never rewrites a file another process is still reading (a
-`save_weights(p)` then `load_weights(p)` on every process, in a loop).
-Without them a process other than the chief returned after the gathers
-(or at once, under `DataParallel`) and its `load_weights` met the chief's
-lock on the file half written. So a save is collective, as under
-`MultiWorkerMirroredStrategy`: a file the chief alone saves (`if chief:
-model.save_weights(...)`) fails within the collective timeout (else the
-replicator's start-up timeout, else 60 s) with an error that says so,
-instead of waiting forever. The wait at the end, for the chief's write, is
-bounded by at least 600 s (`sharded.FILE_WORK_SECONDS`), as are the
-others' waits between the chief's reads of sharded values
-(`sharded.waiting_on_files`): writing a model of many GB takes minutes,
-which one device would simply have taken. The hang watchdog's clock
-stops meanwhile, as for a `ModelCheckpoint` (so with the watchdog on, the
-wait is at most 5 times its timeout). A chief whose write fails says so
-in the coordination service's key-value store before the last barrier,
-and the others raise its error at once. A sharded `BackupAndRestore`
-backup (`sharding/checkpoint.py`) does not come here: it writes in the
-background, and its save "returns" once this process's blocks are copied.
+Barriers before and after the write make a save return everywhere once the
+chief closed the file, and keep it from rewriting a file another process
+reads (`save_weights(p)` then `load_weights(p)` in a loop). A save is so
+collective, as under `MultiWorkerMirroredStrategy`: a chief-only save fails
+within the collective timeout (else the start-up timeout, else 60 s) with an
+error that says so. The wait for the chief's write, and the others' waits
+between its reads of sharded values (`sharded.waiting_on_files`), allow at
+least 600 s (`sharded.FILE_WORK_SECONDS`: many GB take minutes), with the
+hang watchdog's clock stopped (at most 5 times its timeout). A failing chief
+posts its error in the coordination service's key-value store before the
+last barrier, and the others raise it at once. A sharded `BackupAndRestore`
+backup does not come here: it writes in the background.
 """
 
 from __future__ import annotations

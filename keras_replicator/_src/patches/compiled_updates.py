@@ -1,37 +1,26 @@
 """A ModelParallel block's optimizer update, compiled into one pass.
 
-Keras' optimizers on TensorFlow update a variable with a dozen or so
-elementwise ops (Adam: `m` and `v` updated, a square, a square root, a
-division, three assigns), each a pass over the variable with a temporary
-of its size. On a CPU that is more time than the variable's matmuls: in
-ModelParallel's step of a 16.8M-parameter MLP over 2 processes
-(`benchmarks/transport.py`), Adam's elementwise ops took 19 ms of a 49 ms
-step on each process, the matmuls 17 ms.
+Keras' TensorFlow optimizers update a variable with a dozen elementwise ops
+(Adam: two moments, a square, a root, a division, three assigns), each a
+pass with a temporary of its size. In ModelParallel's step of a 16.8M MLP
+over 2 processes (`benchmarks/transport.py`) they took 19 ms of 49, the
+matmuls 17.
 
-Under `keras.distribution.ModelParallel` (the `local` and `multi_worker`
-replicators), each replica updates its own blocks of the sharded
-variables (`replica_mean._apply_with_blocks`). Here the update of a block
-of at least `MIN_ELEMENTS` values is the optimizer's own `update_step`,
-unchanged, traced into a function that XLA compiles
-(`jit_compile=True`): its ops become one loop over the block, with no
-temporaries. The same formula and constants as Keras' ops, in the same
-order; XLA may fuse a multiply and an add into one rounding (FMA) or
-rewrite a division (`a / sqrt(b)` as `a * rsqrt(b)`), so a float32 block
-may differ from one device's in its last bit per step, as a sum over
-replicas in another order does. (TensorFlow's own fused
-`ResourceApplyAdam` was measured and left out: it computes `1 - beta_2` in
-float32, 1.3e-5 (relative) away from Keras' constant for `beta_2=0.999`,
-so `v` drifts from one device's.)
+Under `ModelParallel` each replica updates its own blocks
+(`replica_mean._apply_with_blocks`); a block of at least `MIN_ELEMENTS`
+values is updated by the optimizer's own `update_step` traced into a
+`jit_compile=True` function: one loop, no temporaries, Keras' formula and
+order. XLA may fuse a multiply-add (FMA) or write `a / sqrt(b)` as
+`a * rsqrt(b)`, so a float32 block may differ in its last bit per step, as a
+sum in another order does. (TensorFlow's fused `ResourceApplyAdam` computes
+`1 - beta_2` in float32, 1.3e-5 relative from Keras' constant for
+`beta_2=0.999`, so `v` drifts: left out.)
 
-Only Keras' elementwise optimizers by exact class (`_ELEMENTWISE`: Adam,
-AdamW, SGD, RMSprop and the like, not Lamb, Muon or Adafactor, nor a
-subclass, which may hold ops XLA cannot compile), float32 and float64
-variables, and a traced step (not `run_eagerly`, where each step would
-compile again) take the compiled update. Smaller blocks, replicated
-variables, sparse gradients and updates outside ModelParallel's replica
-step keep Keras' ops: there a compiled launch costs about what it saves.
-TensorFlow logs "Compiled cluster using XLA" once per process, at the
-first step.
+Only `_ELEMENTWISE` optimizers by exact class (Adam, AdamW, SGD, RMSprop...;
+not Lamb, Muon, Adafactor nor subclasses), float32/float64 variables and a
+traced step take it; smaller blocks, replicated variables, sparse gradients
+and updates elsewhere keep Keras' ops (a launch costs what it saves).
+TensorFlow logs "Compiled cluster using XLA" once per process.
 """
 
 from __future__ import annotations

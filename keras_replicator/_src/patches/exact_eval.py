@@ -1,24 +1,19 @@
 """Exact Keras evaluation of padded batches: padding counts for nothing.
 
-With static shapes, the sharder pads the last evaluation batch and gives the
-padding sample weight 0. Stock Keras 3 (3.15) still counts the padding twice
-over in `evaluate`:
+The sharder pads the last evaluation batch (static shapes) with sample
+weight 0, but Keras 3.15's `evaluate` still counts it: the loss tracker
+weighs batch losses by batch size, padding included, and `metrics=` (unlike
+`weighted_metrics=`) never see sample weights (`CompileMetrics.update_state`).
 
-* the loss tracker averages batch losses weighted by the batch *size*, and the
-  loss of a batch is divided by its size, padding included;
-* metrics passed as `metrics=` (not `weighted_metrics=`) never see the sample
-  weights at all (`CompileMetrics.update_state`).
+While a model under a replicator evaluates sharder-padded data
+(`replicator.distribute(..., mode="eval")`, or a dataset from a
+`kr.data.shard(..., mode="eval")` input function), the test step installed
+here treats weight-0 examples as absent: the loss averages real examples,
+and unweighted metrics get the 0/1 mask as weight. Any other evaluation,
+the user's own zero weights included, runs Keras' step.
 
-While a model under a replicator evaluates data the sharder padded (what
-`replicator.distribute(..., mode="eval")` returns, or a distributed dataset
-built from a `kr.data.shard(..., mode="eval")` input function), the test step
-installed here treats an example with sample weight 0 as absent: the loss is
-averaged over real examples only, and unweighted metrics get the 0/1 mask as
-their weight. Any other evaluation, including one with the user's own zero
-weights, runs Keras' stock step unchanged.
-
-This patch owns `test_step`; `evaluate` is owned by `trainer_loops`, which
-calls `prepare` here before the stock evaluate (one owner per attribute).
+This patch owns `test_step`; `trainer_loops` owns `evaluate` and calls
+`prepare` here first.
 """
 
 from __future__ import annotations

@@ -1,46 +1,31 @@
 """Deleting a distributed iterator without stalling: no tf.data autotune thread.
 
-The symptom: under `MultiWorkerReplicator`, `model.fit` returned 3-60 s after
-its last step in about half the runs, and the other workers waited that long
-in their next collective. A plain `tf.distribute.MultiWorkerMirroredStrategy`
-custom loop stalls the same way when it deletes its iterator. It takes an
-iterator that has run for about ten seconds: the stalls ended 10.24, 20.48 or
-40.96 s after the iterator began.
+Under `MultiWorkerReplicator`, `model.fit` returned 3-60 s after its last
+step in about half the runs, the other workers waiting that long in their
+next collective; a plain `MultiWorkerMirroredStrategy` loop stalls the same
+way deleting its iterator, once it ran about ten seconds (stalls ended
+10.24, 20.48 or 40.96 s after it began).
 
-The cause is a lost wake-up in TensorFlow 2.21, in any autotuned tf.data
-iterator. A `RootDataset` iterator with autotuning runs `Model::OptimizeLoop`
-on a thread that sleeps between optimisations, and the sleep doubles from
-10 ms (hence the 10 ms x 2^k). Deleting the iterator calls `StartCancel()`
-and then joins that thread. `StartCancel` runs the cancellation callbacks,
-and one of them wakes the loop, BEFORE it marks the manager cancelled
-(`tsl::CancellationManager::StartCancelWithStatus`). The woken loop
-re-checks `IsCancelled()`, still sees false, and sleeps out the rest of its
-period. A distributed iterator has one autotuned root for the host pipeline
-and one per device (`MultiDeviceIterator`'s per-device prefetch). Seen in
-gdb:
-`RootDataset::Iterator::~Iterator` -> `~LogicalThreadWrapper`, while
-`Model::OptimizeLoop` waits on its condition variable. Keras deletes its
-iterator at the end of every `fit`, `evaluate` and `predict`, and at every
-epoch whose dataset is exhausted. The race is likelier on busy cores, where
-the woken thread runs before the deleting thread sets the flag.
+The cause: a lost wake-up in TensorFlow 2.21's autotuned tf.data iterators.
+`RootDataset`'s `Model::OptimizeLoop` thread sleeps between optimisations,
+doubling from 10 ms. Deleting the iterator calls `StartCancel()`, then joins
+it; a cancellation callback wakes the loop BEFORE the manager is marked
+cancelled (`tsl::CancellationManager::StartCancelWithStatus`), so it sees
+`IsCancelled()` false and sleeps out its period (gdb:
+`RootDataset::Iterator::~Iterator` -> `~LogicalThreadWrapper` while
+`OptimizeLoop` waits). A distributed iterator has an autotuned root for the
+host pipeline and one per device; Keras deletes it at the end of every
+`fit`/`evaluate`/`predict` and exhausted epoch. Busy cores make it likelier.
 
-What we do, for the datasets our in-graph replicators (`LocalReplicator`,
-`MultiWorkerReplicator`) distribute:
+For datasets our in-graph replicators distribute:
 
-- The host pipeline runs with `tf.data.Options().autotune.enabled = False`
-  unless the user set any of its `autotune` options. Without the autotune
-  model, `num_parallel_calls=AUTOTUNE` runs at tf.data's default parallelism
-  (at most the number of cores), and `prefetch(AUTOTUNE)` buffers still grow
-  when the consumer waits (tf.data's legacy prefetch autotuner). A user who
-  wants tf.data's model back sets `autotune.enabled = True` on the dataset
-  and accepts the stall; we never override an explicit choice.
-- The per-device stage inside `MultiDeviceIterator` (a generator and a
-  `prefetch(1)`; nothing there to tune) follows the host: when the host
-  pipeline's autotuning is off, so is the per-device stage's. This is a
-  patch of TensorFlow's `multi_device_iterator_ops`, scoped by the dataset's
-  own options (only pipelines with `autotune.enabled=False`), reversible,
-  and pinned by `PATCH.pins` (`tests/test_patches.py` fails when a
-  TensorFlow upgrade changes them).
+- the host pipeline gets `tf.data.Options().autotune.enabled = False` unless
+  the user set an `autotune` option (never overridden). `AUTOTUNE`
+  parallelism then is tf.data's default (at most the cores), and
+  `prefetch(AUTOTUNE)` buffers still grow (the legacy prefetch autotuner);
+- `MultiDeviceIterator`'s per-device stage (a generator and `prefetch(1)`)
+  follows the host's setting: a pinned, reversible patch of
+  `multi_device_iterator_ops`, scoped by the dataset's options.
 
 Measured (benchmarks/RESULTS.md, 2-core VM, TF 2.21), 2 workers deleting
 an iterator after 100 steps of about 0.1 s: 18 of 18 deletions took
@@ -76,13 +61,9 @@ def _no_autotune() -> tf.data.Options:
 def without_autotune_thread(dataset):
     """`dataset` without tf.data's autotune thread, unless the user chose.
 
-    Args:
-        dataset: A `tf.data.Dataset`; anything else is returned unchanged.
-
-    Returns:
-        `dataset` with `autotune.enabled=False`, or `dataset` itself when
-        the user set any of its autotune options (`enabled` either way, or
-        a budget or algorithm: a choice to tune).
+    Anything but a `tf.data.Dataset`, and one whose autotune options the
+    user set (`enabled` either way, a budget or algorithm), is returned as
+    it is.
     """
     if not isinstance(dataset, tf.data.Dataset):
         return dataset

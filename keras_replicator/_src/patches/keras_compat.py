@@ -13,45 +13,31 @@ fail (keras-team/keras#20585, tensorflow/tensorflow#72388):
    (loss and metric results), and MWMS fails with "Invalid reduction
    dimension 0 for input with 0 dimensions".
 
-Both calls go through `Strategy.reduce` of OUR strategy object, so no Keras
-code is patched for them: `MultiWorkerReplicator.reduce` maps over nests
-and reduces a scalar's "axis 0" across replicas only, which is what
-`MirroredStrategy`'s `reduce_mean(local_results, axis=0)` branch computes
-for the same logs. The
-cross-replica mean of the per-replica results then matches a single-device
-run whenever every replica sees the same number of examples.
+Both go through OUR strategy's `reduce`, so no Keras code is patched for
+them: `MultiWorkerReplicator.reduce` maps over nests and reduces a scalar's
+"axis 0" across replicas, as `MirroredStrategy`'s `reduce_mean(local_results,
+axis=0)` branch does: one device's mean when replicas see equal examples.
 
-Keras reduces every log value (loss, each metric) with its own call, so a
-step with k metrics would issue k + 1 small cross-worker all-reduces on top
-of the gradients' one. This patch makes Keras hand the whole log dict to
-`reduce` in one call for our multi-worker strategies, and `reduce` packs the
-scalar leaves into ONE all-reduce (a stacked vector): same sums, same mean,
-one collective latency per step instead of k + 1.
+Keras reduces each log value with its own call (k + 1 small all-reduces for
+k metrics, besides the gradients'). Here it hands `reduce` the whole log dict
+once, and the scalars go in ONE all-reduce (a stacked vector).
 
 Every `fit`/`evaluate` also calls `_maybe_symbolic_build`, which pulls a
-batch from a fresh distributed iterator and reduces the WHOLE batch
-(`strategy.reduce("MEAN", batch)`: across workers, an all-reduce) only to
-learn its shapes, even when the model, its loss, metrics and optimizer are
-already built (then `_symbolic_build` does nothing with it). Under our
-replicators (local and multi-worker) this patch replaces it:
+batch from a fresh iterator and reduces the WHOLE batch (across workers, an
+all-reduce) to learn its shapes, even when all is built. Under our local and
+multi-worker replicators it is replaced:
 
-- when everything is built it does nothing: one iterator and one
-  batch-sized all-reduce less per `fit`/`evaluate` call (about 0.1-0.3 s
-  here). Results then match one device more closely than stock Keras
-  under a strategy: its extra iterator advanced a dataset that reshuffles
-  each iteration by one order per call (one device never pulls such a
-  batch), and dropped the pulled batch of a one-shot generator;
-- otherwise it builds from the distributed dataset's `element_spec`: no
-  iterator either, so the first epoch of a dataset that reshuffles each
-  iteration sees the order one device sees (stock Keras under
-  `MirroredStrategy` starts one order later, and every epoch stays off);
-- for sparse or ragged leaves, or unknown dimensions past the batch's, it
-  pulls a batch and builds from this process's largest local replica
-  batch, with no collective. Keras' mean of the replicas' batches fails
-  with "Inputs to operation AddN ... must have the same size and shape"
-  whenever the first batch has fewer examples than there are replicas (3
-  examples on 4 replicas: one replica gets none), and the build needs
-  only the shapes.
+- all built: nothing (one iterator and one batch-sized all-reduce less per
+  call, about 0.1-0.3 s here). Closer to one device than stock: the extra
+  iterator advanced a reshuffling dataset by one order per call, and
+  dropped a one-shot generator's pulled batch;
+- otherwise it builds from the distributed dataset's `element_spec`, with no
+  iterator, so a reshuffling dataset's first epoch has one device's order
+  (stock under `MirroredStrategy` starts one order later, every epoch off);
+- sparse or ragged leaves, or unknown dimensions past the batch's: it pulls
+  a batch and builds from this process's largest replica batch, with no
+  collective (Keras' mean fails with "Inputs to operation AddN ... must
+  have the same size and shape" when a replica gets no examples: 3 on 4).
 
 `PATCH.pins` records the exact Keras source lines this relies on;
 `tests/test_patches.py` fails when a Keras upgrade changes them.
@@ -91,13 +77,9 @@ def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
 def _batch_spec(iterator):
     """One replica's batch as `tf.TensorSpec`s, or None if not all known.
 
-    Building needs only shapes and dtypes. Read from the distributed
-    dataset's `element_spec`, they cost no iterator: pulling a batch would
-    advance a dataset that reshuffles each iteration by one order, so every
-    epoch would see another order than on one device (where Keras builds
-    while tracing, from the first step's batch). None (then a batch is
-    pulled) for sparse or ragged leaves and for unknown dimensions past the
-    batch's, whose pulled sizes a layer may need to build.
+    From the distributed dataset's `element_spec`: no iterator to advance a
+    reshuffling dataset's order. None (a batch is pulled) for sparse or
+    ragged leaves and unknown dimensions past the batch's.
     """
     dataset = getattr(iterator, "_distributed_dataset", None)
     try:

@@ -1,42 +1,33 @@
 """`keras.distribution` on TensorFlow: the backend hooks Keras calls.
 
-Keras 3.15's TensorFlow backend module `distribution_lib` is a stub
-("!!!DO NOT USE!!! ... prototype"): it lacks `get_device_count`,
-`initialize`, `num_processes`, `process_id`, `distribute_tensor` and
-`distribute_data_input`, and its mesh and layout conversions need DTensor,
-which is not used here (see the design notes in `distribution/`). So
+Keras 3.15's TensorFlow `distribution_lib` is a stub ("!!!DO NOT USE!!!
+... prototype"): no `get_device_count`, `initialize`, `num_processes`,
+`process_id`, `distribute_tensor` or `distribute_data_input`, and mesh and
+layout conversions needing DTensor (unused here: `distribution/`'s notes).
 `ModelParallel` failed (`AttributeError: ... distribute_tensor` for an
-`"<layer>/output"` key) and `DataParallel` or a `ModelParallel` without
-such a key trained silently on one device.
+`"<layer>/output"` key); `DataParallel` trained silently on one device.
 
-This patch, installed when `keras_replicator` is imported (the API is used
-before any replicator exists, so no replicator kind installs it):
+Installed at import (the API is used before any replicator exists), this:
 
-- fills in the missing hooks. `distribute_tensor` and
-  `distribute_data_input` return their input: compute is data-parallel over
-  every device of the mesh, so an activation is always the replica's slice
-  of the batch, and an `"<layer>/output"` layout is a hint with nothing to
-  change; the mesh and layout conversions return the Keras objects;
-- makes `initialize()` join the processes of a cluster
-  (`distribution/processes.py`); after it `list_devices()` lists every
-  process's devices (`"/job:worker/task:1/cpu:0"`) and `num_processes()`/
-  `process_id()` are the real values;
-- cuts each global batch by process with a `map`
-  (`Distribution.distribute_tf_dataset`), keeping the dataset's length:
-  each process takes the rows a replicator gives its devices, so a batch
-  that does not divide by the processes (a ragged last batch) is split
-  as under a replicator, possibly leaving a process none; and passes
-  `replicator.distribute(...)` data through
-  (`Distribution.distribute_dataset`); on Keras 3.10 to 3.14, which cut
-  the batches in `DataParallel.distribute_dataset` and
-  `ModelParallel.distribute_dataset`, it replaces those two, and on Keras
-  3.16, which cuts them in the dataset adapter
-  (`TFDatasetAdapter._distribute_dataset`), that one;
-- makes `set_distribution(d)` (which `Distribution.scope()` calls too) also
-  make the replicator of `d` the current `tf.distribute` strategy, and
-  `set_distribution(None)` drop it. The replicator comes from the factory
-  the distribution package registers (`set_replicator_factory`), since
-  patches do not import replicators.
+- fills in the hooks. `distribute_tensor` and `distribute_data_input` return
+  their input (compute is data-parallel over the mesh, so an activation is
+  the replica's slice and an output layout a hint); the conversions return
+  the Keras objects;
+- makes `initialize()` join the cluster's processes
+  (`distribution/processes.py`): `list_devices()` then lists every process's
+  devices (`"/job:worker/task:1/cpu:0"`), with real `num_processes()` and
+  `process_id()`;
+- cuts each global batch by process with a `map`, keeping the dataset's
+  length, each process taking the rows a replicator gives its devices (a
+  ragged batch may leave one none), and passes `replicator.distribute(...)`
+  data through. The cut lives in `Distribution.distribute_tf_dataset` /
+  `distribute_dataset` on 3.15, in `DataParallel`'s and `ModelParallel`'s
+  `distribute_dataset` on 3.10-3.14, in `TFDatasetAdapter._distribute_dataset`
+  on 3.16; each is replaced where it is;
+- makes `set_distribution(d)` (and so `Distribution.scope()`) make `d`'s
+  replicator the current strategy, and `set_distribution(None)` drop it. The
+  replicator comes from the factory `distribution/` registers
+  (`set_replicator_factory`): patches do not import replicators.
 """
 
 from __future__ import annotations
@@ -119,22 +110,19 @@ def _initialize(
 def _distribute_tensor(original, tensor, layout):
     """What `keras.distribution.distribute_tensor` means here.
 
-    Compute is data-parallel over every device of the mesh: a step cuts
-    each global batch into the replicas' slices itself. So:
+    Compute is data-parallel over the mesh; a step cuts each global batch
+    itself. So the tensor is returned as it is:
 
-    - inside a replica step the tensor is already this device's slice of
-      the batch: a hint with nothing to change, returned as it is;
-    - inside a Keras layer call (a `"<layer>/output"` layout, which
-      `Layer.__call__` applies to the layer's output) it is a hint too,
-      also outside a step: Keras calls the model outside one when it
-      builds it before the first `fit` (`_symbolic_build`), and so may the
-      user (`model(x)`). Refusing there made a `LayoutMap` with an output
-      key that splits another axis (`(None, "model")`) fail `fit`;
-    - outside both (keras-hub's `generate` lays its inputs out with
-      `get_data_layout`), a layout that splits at most the first (batch)
-      dimension is the whole batch the next step cuts: returned as it is;
-    - a layout that splits any other dimension outside both asks for a
-      tensor stored in blocks, which only variables are here: refused.
+    - inside a replica step (it is already this device's slice);
+    - inside a layer call (a `"<layer>/output"` layout), also outside a
+      step: Keras builds the model before the first `fit`
+      (`_symbolic_build`), and users call `model(x)`; refusing made a
+      `LayoutMap` output key like `(None, "model")` fail `fit`;
+    - outside both (keras-hub's `generate` uses `get_data_layout`), for a
+      layout splitting at most the batch dimension: the next step cuts it.
+
+    Outside both, splitting another dimension asks for a tensor in blocks,
+    which only variables are here: refused.
     """
     in_step = (
         tf.distribute.has_strategy()
@@ -170,17 +158,13 @@ def _distribute_data_input(
 def _distribute_tf_dataset(original, self, dataset):
     """Process p takes part p of every global batch, keeping the count.
 
-    Keras' own cut (`rebatch` then `shard`) loses the dataset's
-    cardinality, so `fit` finds the end of an epoch by running out of
-    data; over two workers the epoch after such an end then differed
-    from one device's numbers (by about 1e-3 after Adam; the cause in
-    TensorFlow's multi-worker iterator is not pinned down). A `map` keeps it,
-    and gives the same batches when the global batch divides by the
-    processes. Keras' cut refuses a global batch size that does not, and
-    gives a ragged last batch to some processes only (uneven step counts);
-    the `map` splits both as a replicator does (`_cut_by_process`). Every
-    process takes its part whatever the mesh: compute is data-parallel
-    over every device (`distribution/runtime.py`).
+    Keras' cut (`rebatch` then `shard`) loses the cardinality, so `fit`
+    ends an epoch by running out of data; over two workers the next epoch
+    then differed from one device's by about 1e-3 after Adam (cause in TF's
+    multi-worker iterator not pinned down). A `map` keeps it, gives the same
+    batches when the batch divides, and splits one that does not (Keras
+    refuses it, or gives a ragged last batch to some processes only) as a
+    replicator does (`_cut_by_process`), whatever the mesh.
     """
     if _joined() is None or not self._is_multi_process:
         return original(self, dataset)
@@ -195,10 +179,8 @@ def _distribute_tf_dataset(original, self, dataset):
 def _distribute_dataset_keras_3_10(original, self, dataset):
     """`distribute_dataset` of a `DataParallel` or `ModelParallel`.
 
-    Keras 3.10 to 3.14 cut the batches by process in each distribution's
-    own `distribute_dataset` (`rebatch` then `shard`, as 3.15's
-    `distribute_tf_dataset` does); this does what `_distribute_dataset`
-    and `_distribute_tf_dataset` do on 3.15.
+    Keras 3.10 to 3.14 cut the batches there; this does what 3.15's
+    `_distribute_dataset` and `_distribute_tf_dataset` do.
     TODO: delete when the oldest supported Keras is 3.15.
     """
     joined = _joined()
@@ -206,8 +188,7 @@ def _distribute_dataset_keras_3_10(original, self, dataset):
         return original(self, dataset)
     if isinstance(dataset, tf.distribute.DistributedDataset):
         return dataset
-    # Keras 3.10's ModelParallel has no `auto_shard_dataset`: it always
-    # shards.
+    # Keras 3.10's ModelParallel has no `auto_shard_dataset`: it shards.
     if not getattr(self, "_auto_shard_dataset", True) or not isinstance(
         dataset, tf.data.Dataset
     ):
@@ -223,17 +204,14 @@ def _distribute_dataset_keras_3_10(original, self, dataset):
 def _cut_by_process(dataset, count, index, devices_per_process=1):
     """Process `index` of `count` takes its part of every global batch.
 
-    Its part is the rows its devices get when a replicator splits the
-    batch over every device of every process, in process order: each
-    device takes `ceil(batch / devices)` rows until the batch runs out
-    (`_device_rows`). So a batch that does not divide by the processes,
-    a ragged last batch included, is split as under a replicator, and a
-    process may get no rows (the step then weighs it by its count: zero).
+    Its part is the rows its devices get when a replicator splits the batch
+    over every device in process order (`_device_rows`), so a batch that
+    does not divide is split as under a replicator, and a process may get
+    none (weighed by its count, zero).
 
     Raises:
-        ValueError: Before any data is read, with one line naming the
-            value: for a dataset of unbatched scalars, and for a batch
-            whose tensors have different (static) batch sizes.
+        ValueError: Before any data is read: for unbatched scalars, and for
+            a batch whose tensors have different static batch sizes.
     """
     specs = tf.nest.flatten(dataset.element_spec)
     if any(
@@ -276,20 +254,10 @@ def _cut_by_process(dataset, count, index, devices_per_process=1):
 def _device_rows(size, devices, first, stop):
     """Rows `[start, end)` of devices `first` to `stop - 1` of `devices`.
 
-    A replicator splits a batch of unknown size (a ragged last batch) with
-    TensorFlow's `_LegacyRebatchDataset`: device d takes rows
-    `[d * c, (d + 1) * c)` of the batch's `size`, with
-    `c = ceil(size / devices)`, clipped to the batch (64 rows on 3 devices
-    are 22, 22 and 20; 5 rows on 4 devices are 2, 2, 1 and 0).
-
-    Args:
-        size: The batch's number of rows (a scalar tensor).
-        devices: The number of devices the batch is split over.
-        first: The first device of the range.
-        stop: One past its last device.
-
-    Returns:
-        `(start, end)`, scalar tensors of `size`'s dtype.
+    As TensorFlow's `_LegacyRebatchDataset` splits a batch of unknown size:
+    device d takes rows `[d * c, (d + 1) * c)` of `size` (a scalar tensor),
+    `c = ceil(size / devices)`, clipped (64 rows on 3 devices are 22, 22,
+    20; 5 on 4 are 2, 2, 1, 0). Returns scalar tensors of `size`'s dtype.
     """
     chunk = (size + devices - 1) // devices
     return (
@@ -311,10 +279,9 @@ def _distribute_dataset(original, self, dataset):
 def _adapter_distribute_dataset(original, self, dataset, distribution):
     """`TFDatasetAdapter._distribute_dataset` (Keras 3.16).
 
-    Keras 3.16 (its nightly builds from 3.16.0.dev) cuts the batches by
-    process in the `tf.data` adapter instead of the distribution (its
-    `distribute_dataset` and `distribute_tf_dataset` are gone); this does
-    what `_distribute_dataset` and `_distribute_tf_dataset` do on 3.15.
+    Keras 3.16 (nightlies from 3.16.0.dev) cuts the batches in the `tf.data`
+    adapter (the distribution's `distribute_dataset` and
+    `distribute_tf_dataset` are gone); this does what 3.15's do.
     TODO: the only branch when the oldest supported Keras is 3.16.
     """
     if _joined() is None or not distribution._is_multi_process:
@@ -406,8 +373,7 @@ elif versions.keras_before("3.16.0.dev0"):
         ),
     )
 else:
-    # Keras 3.16 (nightly builds from 3.16.0.dev): the `tf.data` adapter
-    # cuts it.
+    # Keras 3.16 (3.16.0.dev nightlies): the `tf.data` adapter cuts it.
     from keras.src.trainers.data_adapters import tf_dataset_adapter
 
     _DATASET_TARGETS = (

@@ -1,41 +1,31 @@
 """Collectives inside `tf.cond`: the fix `steps_per_execution > 1` needs.
 
-The symptom: under `MirroredStrategy` or `MultiWorkerMirroredStrategy` with
-collective all-reduce (what CPU replicas and workers use), `model.fit` with
-`steps_per_execution > 1` fails on its first step with
+Under `MirroredStrategy` or `MultiWorkerMirroredStrategy` with collective
+all-reduce (CPU replicas and workers), `fit` with `steps_per_execution > 1`
+fails on its first step, for every model, with
 
     INVALID_ARGUMENT: You must feed a value for placeholder tensor
     'while/cond/Placeholder_12'
 
-for every model, with or without `BatchNormalization(synchronized=True)`
-(keras-team/keras#19246 reports it for synchronized batch norm; the
-optimizer's gradient all-reduce alone triggers it too).
+(keras-team/keras#19246 for synchronized batch norm; the gradients'
+all-reduce alone triggers it). From TF 2.21's sources:
 
-The cause, read from TF 2.21's sources:
+1. A collective's instance key is fresh per call:
+   `CollectiveReplicaLauncher._next_instance_key` asks the graph for a
+   call-time capture (`FuncGraph.capture_call_time_value`), a placeholder
+   fed a new key at each run.
+2. With `steps_per_execution > 1` Keras calls its step function inside
+   `tf.cond` inside `tf.while_loop` (`multi_step_on_iterator`); calling it
+   there re-registers its call-time captures on the `tf.cond` branch graph.
+3. `tf.while_loop` resolves its body's call-time captures; `tf.cond` ignores
+   its branches', leaving a placeholder nobody feeds.
 
-1. Collective ops take an *instance key* that must be fresh at every call,
-   so `CollectiveReplicaLauncher._next_instance_key` does not bake it into
-   the traced graph: it asks the function graph for a *call-time capture*
-   (`FuncGraph.capture_call_time_value`), a placeholder fed with a new key
-   each time the function runs.
-2. Keras traces one step as a `tf.function` (`one_step_on_data`). With
-   `steps_per_execution > 1` it calls that function inside `tf.cond` inside
-   `tf.while_loop` (`multi_step_on_iterator`). Calling a function that has
-   call-time captures from inside another function graph re-registers them
-   as call-time captures of the *current* graph: here the `tf.cond` branch.
-3. `tf.while_loop` resolves the call-time captures of its body graph, but
-   `tf.cond` ignores those of its branch graphs, so the branch keeps a
-   placeholder nobody feeds.
-
-The fix: a call-time capture requested in a `tf.cond` branch graph is
-registered on the graph around the `tf.cond` instead (recursively, up to
-the enclosing function or loop body, which do resolve them) and captured
-into the branch as an ordinary tensor. That is where TF's own launcher puts
-captures it makes directly in control flow ("Control flow ops don't work
-with capture_call_time_value, so we put the capture in the function graph
-of that control flow op", `cross_device_utils.py`). A capture left on a
-branch graph can only fail, so the change cannot break a program that
-worked.
+The fix registers a capture asked in a `tf.cond` branch on the graph around
+it (recursively, up to the function or loop body, which resolve them) and
+captures it into the branch as a tensor, as TF's launcher does for control
+flow ("Control flow ops don't work with capture_call_time_value, so we put
+the capture in the function graph of that control flow op",
+`cross_device_utils.py`). A capture left on a branch can only fail.
 
 TODO(keras-replicator): remove once `cond_v2` resolves deferred captures of
 its branches; `tests/test_cross_replica_batch_norm.py` shows whether it is

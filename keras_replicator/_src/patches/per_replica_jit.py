@@ -1,71 +1,51 @@
 """`jit_compile=True` on several replicas: XLA compiles each replica's step.
 
-The symptom: under a replicator with two or more CPU replicas, `model.fit`
-or `model.evaluate` of a model compiled with `jit_compile=True` fails on its
-first step with
+Under a replicator with two or more CPU replicas, `fit`/`evaluate` of a
+model compiled with `jit_compile=True` failed on its first step with
 
     Trying to access resource ... located in device CPU:1 from device CPU:0
 
-The cause: Keras 3.15's `TensorFlowTrainer._make_function`
-(`keras/src/backend/tensorflow/trainer.py`) wraps the WHOLE step, the
-`strategy.run(step_function)` over every replica included, in
-`tf.function(..., jit_compile=self.jit_compile)`. XLA compiles that into one
-cluster launched on one device (CPU:0), and before launching, TensorFlow
-checks that every resource the cluster touches lives on that device
-(`GetVariableInfosFromInputs` in
-`tensorflow/compiler/jit/variable_info_util.cc`). Replica 1's variable
-components live on CPU:1, so the check fails. `make_predict_function` does
-not have the problem: it jit-compiles the predict step alone and calls it
-inside `strategy.run`, so each replica's cluster runs on that replica's
-device.
+Keras 3.15's `TensorFlowTrainer._make_function`
+(`keras/src/backend/tensorflow/trainer.py`) wraps the WHOLE step, its
+`strategy.run` over every replica included, in `tf.function(...,
+jit_compile=self.jit_compile)`: one XLA cluster on CPU:0, whose resources
+must all live there (`GetVariableInfosFromInputs` in
+`tensorflow/compiler/jit/variable_info_util.cc`); replica 1's live on CPU:1.
+Predict has no such problem: it compiles the predict step alone, inside
+`strategy.run`. Under `MultiWorkerReplicator` the cluster also holds the
+gradients' collective all-reduce, so one replica per worker fails too
+(`UnimplementedError` on CPU).
 
-Under `MultiWorkerReplicator` the same cluster also holds the collective
-all-reduce of the gradients, so even one replica per worker fails (with an
-`UnimplementedError` on CPU).
+The fix does as predict does. For a non-eager `jit_compile=True` model under
+our replicators with more than one replica in sync, the outer step is built
+with `jit_compile=False` and calls, inside `strategy.run`, a
+`tf.function(jit_compile=True)` of the replica's forward pass, loss,
+gradients and metric updates. The optimizer's `apply` all-reduces (a
+`merge_call` and collectives, which XLA cannot hold), so while the compiled
+step is traced `apply` only records its arguments; the compiled function
+returns the gradients and the real `apply` runs right after, in the same
+replica context, outside XLA. The arithmetic is the stock step's, up to
+XLA's fusion (float rounding).
 
-The fix does what predict does for the train and test steps too. For a
-model with `jit_compile=True` that does not run eagerly, under one of our
-replicators (a `MirroredStrategy` or `MultiWorkerMirroredStrategy`) with
-more than one replica in sync (several local replicas, or several workers),
-the replaced `_make_function` builds the outer step with `jit_compile=False`
-and calls, inside `strategy.run`, a `tf.function(jit_compile=True)` of the
-replica's step: the forward pass, the loss, the gradients and the metric
-updates. The optimizer's `apply` cannot be in that cluster: it all-reduces
-the gradients across replicas (a `merge_call` and collective ops, which XLA
-cannot hold) before updating the variables. So while the compiled step is
-traced, `apply` of the model's optimizers only records its arguments; the
-compiled function returns the gradients, and the real `apply` (all-reduce,
-then update) runs right after it, in the same replica context, outside
-XLA. The weights follow the same
-arithmetic as the stock step; XLA may fuse the forward and backward pass
-differently, which moves results by float rounding only.
+A step may call `apply` once: deferring two (a GAN's) would let the second
+gradient see pre-update weights, so it gets a `ValueError` saying to use
+`jit_compile=False`. Only optimizers held as model attributes
+(`model.optimizer`, `model.g_optimizer`) are deferred. Other cross-replica
+traffic in the step (synchronized batch norm, `all_reduce`, another
+optimizer's `apply`) gets a `RuntimeError` saying the same.
 
-A step may call `apply` at most once: deferring two (a GAN's generator and
-discriminator updates) would make the second gradient computation see the
-weights before the first update. Such steps get a `ValueError` that says to
-use `jit_compile=False`. Only optimizers the model holds as attributes
-(`model.optimizer`, a GAN's `model.g_optimizer`) can be deferred. Nothing
-else in the step may communicate across replicas: synchronized batch
-normalization, `all_reduce` in a custom step, or another optimizer's
-`apply` gets a `RuntimeError` that says to use `jit_compile=False`.
+Everything else takes the stock `_make_function`. Composed here, as this
+patch owns `_make_function`, under our in-graph replicators:
 
-Every other model, strategy and setting takes Keras' stock `_make_function`
-unchanged. Composed here, as this patch owns `_make_function`, under our
-in-graph replicators:
-
-- every train and test step is marked as a Keras step
+- every train and test step is marked a Keras step
   (`core/replica_step.keras_step`), which decides its gradient convention;
-- Keras 3.16 (its nightly builds from 3.16.0.dev) reads the batch of a
-  one-step execution (`steps_per_execution=1`) eagerly
-  (`iterator.get_next_as_optional()` outside any `tf.function`) and passes
-  it to the traced step, which is then traced on each replica's own
-  shapes: on an uneven last batch replicas trace different programs (one
-  with a static batch, one without, or an empty replica's static 0, for
-  which Keras' `reduce_values` returns the empty vector as the loss, and
-  the loss tracker's mean of it is NaN). Replicas whose programs differ
-  disagree on the collectives they run. So, as Keras 3.10 to 3.15 do, the
-  function reads the batch inside the traced function (`_batch_in_graph`):
-  every replica's step is traced once, on the dataset's spec.
+- Keras 3.16 (3.16.0.dev nightlies) reads a one-step execution's batch
+  eagerly (`iterator.get_next_as_optional()`) and traces the step on each
+  replica's own shapes: on an uneven last batch the replicas trace different
+  programs (a static batch, none, or an empty replica's 0, whose loss is
+  Keras' empty vector and its mean NaN) and disagree on their collectives.
+  As Keras 3.10 to 3.15 do, the batch is read inside the traced function
+  (`_batch_in_graph`): each replica traced once, on the dataset's spec.
 
 `PATCH.pins` records the exact Keras source lines this relies on;
 `tests/test_patches.py` fails when a Keras upgrade changes them.
@@ -130,9 +110,7 @@ def _make_function(original, self, step_function):
     if not traits.is_in_graph(self.distribute_strategy):
         return original(self, step_function)
     # Every train/test step Keras starts is a Keras step, whatever the
-    # user's `train_step` is (decorated, a tf.function, assigned on the
-    # instance): optimizers in it follow one device's gradient convention
-    # (`patches/replica_mean.py`).
+    # `train_step` (`patches/replica_mean.py`'s convention).
     step_function = replica_step.keras_step(step_function)
     if _wants_sharded_jit(self):
         scoped = _in_jit_scope(step_function)
@@ -156,17 +134,12 @@ def _make_function(original, self, step_function):
 def _batch_in_graph(model, function, step_function):
     """`function`, reading a one-step execution's batch in its graph.
 
-    Keras 3.16's `_make_function` reads the batch of a one-step execution
-    eagerly and calls the traced step with it, so the step is traced on
-    each replica's own shapes (see the module docstring). This returns a
-    function that, for a distributed iterator and `steps_per_execution=1`,
-    runs Keras 3.15's one step instead: `iterator.get_next()` inside a
-    `tf.function`, then Keras' own `one_step_on_data` (the replicas'
-    `strategy.run` and `reduce_per_replica`), each replica traced on the
-    dataset's spec. The end of the data is Keras' `OutOfRangeError`, which
-    its epoch iterator takes for the end of the epoch. Anything else calls
-    `function`. Keras 3.10 to 3.15, and a model that runs eagerly: returns
-    `function` unchanged.
+    For a distributed iterator and `steps_per_execution=1` on Keras 3.16
+    (see the module docstring), runs Keras 3.15's one step:
+    `iterator.get_next()` in a `tf.function`, then Keras' `one_step_on_data`,
+    each replica traced on the dataset's spec; the data's end is Keras'
+    `OutOfRangeError` (the epoch's end). Otherwise, and on Keras 3.10 to
+    3.15 or eagerly, `function` as it is.
     TODO: delete when Keras' one-step execution reads the batch in the
     graph again, or traces it on the dataset's spec.
     """
@@ -237,14 +210,12 @@ _noted = []
 def _in_jit_scope(step_function):
     """`step_function`, its ops marked for XLA where XLA can take them.
 
-    A product of a sharded variable moves rows or blocks between devices
-    inside the step, which one XLA cluster cannot hold (each cluster runs
-    on one device). So the step is not compiled whole: its ops are created
-    in `tf.xla.experimental.jit_scope`, and TensorFlow's clustering pass
-    (`MarkForCompilationPass`; on the CPU it clusters ops so marked) puts
-    every run of compilable ops on one device into an XLA cluster and
-    leaves the collectives between them as they are. The arithmetic is
-    XLA's, as on one device with `jit_compile=True`.
+    A sharded variable's product moves blocks between devices, which one XLA
+    cluster (one device) cannot hold. So ops are created in
+    `tf.xla.experimental.jit_scope`, and TensorFlow's
+    `MarkForCompilationPass` clusters each run of marked ops on one device,
+    leaving the collectives between them: XLA's arithmetic, as on one device
+    with `jit_compile=True`.
     """
 
     @functools.wraps(step_function)

@@ -1,43 +1,31 @@
 """The one registry of every Keras/TensorFlow attribute this package replaces.
 
-A `Patch` declares, in one place:
+A `Patch` declares:
 
-- `targets`: the attributes it replaces, as `Target(owner, name, function)`.
-  `function(original, *args, **kwargs)` is the replacement; it receives the
-  object it replaced (taken when the patch is installed, never at import) as
-  its first argument, so it can fall back to stock behaviour;
-- `applies_to`: the replicator kinds (`core.traits.KINDS`) that need it.
-  Replicators install the patches of their kind when they are created;
-  nothing else installs patches;
-- `pins`: the upstream code the replacement mirrors or relies on,
-  `Pin(module, lines, attributes=..., keras=..., tensorflow=...)`: source
-  lines and private attributes of one module, for the Keras and TensorFlow
-  releases the pin's specifiers name (every supported release when they
-  are empty), so code that differs between releases has one pin per
-  variant. `tests/test_patches.py` fails for every pin of the installed
-  releases whose lines changed;
+- `targets`: `Target(owner, name, function)`; `function(original, *args,
+  **kwargs)` gets the replaced object (taken at install, never at import)
+  first, to fall back to stock behaviour. A property target replaces its
+  getter (`function(original_getter, self)`); an `optional` one may be
+  missing on the owner (a backend hook TensorFlow's backend never defined:
+  `original` is None and uninstalling removes it);
+- `applies_to`: the replicator kinds (`core.traits.KINDS`) whose replicators
+  install it when created (nothing else installs patches);
+- `pins`: `Pin(module, lines, attributes=..., keras=..., tensorflow=...)`,
+  the source lines and private attributes of one module it mirrors or relies
+  on, per release range (one pin per variant). `tests/test_patches.py` fails
+  for every pin of the installed releases whose lines changed;
 - `delete_when`: the upstream fix (issue) after which it can go.
 
-A target may be a property (its getter is replaced; `function(original_getter,
-self)`) or, marked `optional`, an attribute the owner may lack (a backend hook
-Keras looks up but TensorFlow's backend never defined; `original` is then None
-and uninstalling removes it).
+Non-optional targets and pinned attributes must exist: `register` (at
+import) and `install` raise the unsupported-version `ImportError`
+(`core/versions.py`) naming the attribute, not an `AttributeError` inside
+`fit`. On a release newer than the supported range, `check_pins` also
+compares every pin's lines with the installed source.
 
-Every other target, and every attribute a pin of the installed releases
-names, must exist: `register` (at import) and `install` raise the
-`ImportError` of an unsupported version (`core/versions.py`) naming the
-missing attribute, instead of an `AttributeError` deep inside `fit`.
-Under a TensorFlow or Keras newer than the supported range, `check_pins`
-(once every patch has registered) also compares every pin's lines with the
-installed source, which `tests/test_patches.py` does for the supported
-releases.
-
-Each attribute has exactly one owner: registering a second patch for the
-same attribute raises. Two behaviours on one method are composed inside
-the owning patch, explicitly (see `trainer_loops`).
-
-Replacements dispatch on the strategy (`core.traits`): a model under no
-strategy, or under a stock `tf.distribute` strategy, runs the original.
+One patch owns each attribute (a second registration raises); behaviours on
+one method are composed inside the owner (see `trainer_loops`). Replacements
+dispatch on the strategy (`core.traits`): no strategy, or a stock
+`tf.distribute` one, runs the original.
 """
 
 from __future__ import annotations
@@ -180,20 +168,10 @@ def patches() -> tuple[Patch, ...]:
 
 
 def register_pins(name: str, pins: tuple[Pin, ...], reason: str) -> Patch:
-    """Pins private code that modules other than the patches read.
+    """Pins private code read outside the patches (`upstream/`'s names).
 
-    Checked as a patch's pins are (at once, on the installed release, and
-    by `check_pins` on a newer one), for a holder that replaces nothing:
-    `upstream/`'s names (`patches/upstream_pins.py`). Not a patch: it is
-    not among `patches()` and installs nothing.
-
-    Args:
-        name: The holder's name, for errors.
-        pins: Its pins.
-        reason: When the pins can go.
-
-    Returns:
-        The holder, shaped as a patch with no targets.
+    Checked as a patch's pins are, for a holder with no targets that is not
+    among `patches()`. `reason` says when the pins can go. Returns it.
     """
     holder = Patch(
         name=name,
@@ -224,9 +202,8 @@ def for_kind(kind: str) -> tuple[str, ...]:
 def install(names: Iterable[str]) -> None:
     """Installs the named patches (each idempotent).
 
-    The originals are taken now, from the owners' own `__dict__`, so that
-    `uninstall` puts back exactly what was there (or removes an attribute
-    that was only inherited).
+    Originals are taken now, from the owners' own `__dict__`, so `uninstall`
+    puts back exactly what was there (or removes an inherited attribute).
 
     Raises:
         KeyError: If a name is not registered.
@@ -278,11 +255,7 @@ def installed(name: str | None = None) -> bool | tuple[str, ...]:
 
 
 def original(owner: Any, name: str) -> Any:
-    """What `owner.name` resolves to with its patch uninstalled.
-
-    For a patch's helpers that must call the stock code although they are
-    not the replacement itself (which gets it as an argument).
-    """
+    """What `owner.name` resolves to unpatched, for a patch's helpers."""
     with _lock:
         for saved in _installed.values():
             for target, _, resolved in saved:
@@ -297,21 +270,18 @@ def check_pins(
 ) -> None:
     """Accepts a newer TensorFlow or Keras only if every patch pin holds.
 
-    Does nothing for supported releases (their pins are tested). For a
-    release newer than the supported range (`versions.newer`), every pin
-    that describes it must find its lines and attributes in the installed
-    code: the patches then mirror it as they did the last tested release,
-    and one `UntestedReleaseWarning` says so.
+    Does nothing for supported releases (their pins are tested). On a newer
+    release every pin describing it must find its lines and attributes; then
+    one `UntestedReleaseWarning` says it runs untested.
 
     Args:
         found: `{"tensorflow": version, "keras": version}`; defaults to
             the versions this process imports.
-        checked: The patches whose pins are compared; defaults to every
-            registered patch.
+        checked: The patches whose pins are compared; defaults to all.
 
     Raises:
         ImportError: Naming the release, the patch and what its pin no
-            longer finds, if a pin fails.
+            longer finds.
     """
     above = versions.newer(found)
     if not above:
@@ -347,9 +317,8 @@ def check_pins(
 
 
 def _importer_stacklevel() -> int:
-    # The `stacklevel` of the first frame outside this package and the
-    # import machinery: the user's `import keras_replicator`. `warnings`
-    # does not count the import machinery's frames.
+    # The first frame outside this package and the import machinery (which
+    # `warnings` does not count): the user's `import keras_replicator`.
     frame, level = sys._getframe(2), 2
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
@@ -440,13 +409,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 def call_original(original: Callable[..., Any], *args, **kwargs) -> Any:
     """Calls `original` as if no patch stood between it and its caller.
 
-    A warning the original raises with a `stacklevel` pointing at its
-    caller would name the patch (this package's file and line) where
-    stock Keras names its own code: such a warning is attributed to the
-    first caller outside this package instead, with its module, so the
-    user sees where it really comes from and filters by module still
-    apply (`replicators/multi_worker.py` keeps Keras' warnings to the
-    chief). Other warnings pass unchanged.
+    A warning whose `stacklevel` points at the caller would name this
+    package's file; it is attributed to the first caller outside the
+    package, with its module, so filters by module still apply
+    (`replicators/multi_worker.py` keeps Keras' warnings to the chief).
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,82 +1,66 @@
 """The gradient convention of each update, decided by the API that runs it.
 
-Two conventions exist for combining the replicas' gradients, and code is
-written for one of them:
+Code is written for one of two conventions of combining gradients:
 
-- **One device's** (Keras' `fit`/`evaluate` with any `train_step`, and the
-  TF-Replicator API: `replicate`, `wrap_optimizer`): each replica's loss is
-  the mean over its own examples, as on one device, and the replicas'
-  gradients are AVERAGED.
-- **tf.distribute's** (the user's own `strategy.run` with
-  `optimizer.apply_gradients`): each replica's loss is its share of the
-  global loss (`tf.nn.compute_average_loss(per_example_loss,
-  global_batch_size)` divides by the GLOBAL batch), and the shares'
-  gradients are SUMMED. TensorFlow's tutorial "Custom training with
-  tf.distribute.Strategy" and Keras' own distribute tests rely on it.
+- **One device's** (Keras' `fit`/`evaluate` with any `train_step`, and
+  `replicate`/`wrap_optimizer`): a replica's loss is its own examples' mean,
+  and the gradients are AVERAGED.
+- **tf.distribute's** (the user's own `strategy.run` with `apply_gradients`):
+  a replica's loss is its share of the global loss
+  (`tf.nn.compute_average_loss(per_example_loss, global_batch_size)` divides
+  by the GLOBAL batch), and the gradients are SUMMED. TensorFlow's tutorial
+  "Custom training with tf.distribute.Strategy" and Keras' distribute tests
+  rely on it.
 
-Stock Keras 3.15 (TensorFlow backend) serves both with one trick: it
-pre-divides every loss it reduces by the replica count
-(`keras/src/losses/loss.py`: `scale_loss_for_distribution`, in `Loss`
-objects, `compute_loss` and the regularization losses) and always sums
+Stock Keras 3.15 (TF backend) pre-divides every loss it reduces by the
+replica count (`keras/src/losses/loss.py`: `scale_loss_for_distribution`, in
+`Loss`, `compute_loss` and regularization losses) and always sums
 (`keras/src/backend/tensorflow/optimizer.py`: `_all_reduce_sum_gradients`).
-That breaks single-device Keras code: a custom `train_step` logs loss / N;
-the sum runs AFTER loss-scale unscaling and clipping (which act on a
-replica's partial gradient) and INSIDE the `tf.cond` of gradient
-accumulation and EMA, whose `merge_call` MirroredStrategy refuses; a
-`keras.losses.Loss` in a `step_fn` with a mean-averaging optimizer trains N
-times too slowly; a ragged last batch (29 and 28 examples) weighs its
-examples unequally.
+That breaks single-device code: a custom `train_step` logs loss / N; the sum
+runs AFTER loss-scale unscaling and clipping (acting on partial gradients)
+and INSIDE the `tf.cond` of gradient accumulation and EMA, whose
+`merge_call` MirroredStrategy refuses; a `keras.losses.Loss` in a `step_fn`
+with an averaging optimizer trains N times too slowly; a ragged last batch
+(29 and 28 examples) weighs examples unequally.
 
-The rule, decided per update at trace time from the running replica step
-(`core/replica_step.py`), under `LocalReplicator` and
-`MultiWorkerReplicator` only (this patch's `applies_to`; every other
-strategy and no strategy run the originals):
+The rule, per update at trace time from the running replica step
+(`core/replica_step.py`), under `LocalReplicator` and `MultiWorkerReplicator`
+only (other strategies, and none, run the originals):
 
-1. **Keras steps and `replicate` steps** (one device's convention). Losses
-   are not pre-divided (`scale_`/`unscale_loss_for_distribution` return
-   their argument), so a loss is the replica's own mean and what a custom
-   step logs is one device's number. Every optimizer averages the
-   gradients once, at the START of `apply`: before loss-scale unscaling,
-   clipping, accumulation, weight decay and the update, which therefore
-   all act on the global gradient as on one device. The mean is weighted
-   by each replica's example count, so an uneven split weighs every
-   example as one device does; the count travels in the gradients' pack.
-   Keras' own later sum is switched off. The gradients being the same on
-   every replica, each replica then updates its own copy of each variable
-   in replica context, as `MirroredStrategy` does on GPUs under XLA
-   (`_use_merge_call()` is False for the duration, on this thread only),
-   so the `tf.cond`s of accumulation and EMA hold no `merge_call`. A
-   wrapping optimizer (`LossScaleOptimizer`) keeps its stock cross-replica
-   decision, now the same on every replica and worker.
-2. **The user's own `strategy.run`** (tf.distribute's convention). A plain
-   optimizer runs Keras' stock code, bit for bit as under stock
-   `MirroredStrategy`/`MultiWorkerMirroredStrategy`: Keras divides its
-   losses, the gradients are summed. The design cannot see whether such a
-   step's loss was a share or a replica's mean when no scaling helper ran,
-   so it follows tf.distribute and logs once that it summed. Where stock
-   Keras cannot trace the update (gradient accumulation or EMA
-   overwriting in a `tf.function`: a `merge_call` inside a `tf.cond`),
-   the same sum runs once before the update instead.
-   `ReplicatedOptimizer` (`wrap_optimizer`) averages, unless the step
-   scaled a loss as a share (then it sums).
+1. **Keras and `replicate` steps** (one device's). Losses are not pre-divided
+   (`scale_`/`unscale_loss_for_distribution` return their argument), so a
+   custom step logs one device's number. Every optimizer averages the
+   gradients once, at the START of `apply`, weighted by each replica's
+   example count (carried in the gradients' pack), so unscaling, clipping,
+   accumulation, weight decay and the update act on the global gradient;
+   Keras' later sum is off. With equal gradients everywhere, each replica
+   updates its own copy in replica context, as `MirroredStrategy` does on
+   GPUs under XLA (`_use_merge_call()` False meanwhile, on this thread), so
+   accumulation's and EMA's `tf.cond`s hold no `merge_call`. A wrapping
+   optimizer (`LossScaleOptimizer`) keeps its stock cross-replica decision.
+2. **The user's own `strategy.run`** (tf.distribute's). A plain optimizer
+   runs stock Keras, bit for bit as under stock `MirroredStrategy`/
+   `MultiWorkerMirroredStrategy` (divided losses, summed gradients); with no
+   scaling helper seen, whether the loss was a share is unknowable, so it
+   sums and logs so once. Where stock cannot trace the update (accumulation
+   or EMA in a `tf.function`: a `merge_call` in a `tf.cond`) the same sum
+   runs once before it. `ReplicatedOptimizer` (`wrap_optimizer`) averages,
+   unless the step scaled a loss as a share (then it sums).
 3. **TensorFlow's scaling helpers** (`tf.nn.compute_average_loss`,
-   `tf.nn.scale_regularization_loss`, and Keras'
-   `scale_loss_for_distribution` called by the user's own code) always
-   mean "this loss is my share". In the user's own `strategy.run` their
-   values are stock. Inside a step of one device's convention the share is
-   turned into the replica's own mean (times the replica count): its value
-   in a Keras step, so the step also logs one device's number; only its
-   gradient in a `replicate` step, whose outputs the user reduces. The
-   average of the replicas' gradients is then the sum of the shares': one
-   device's update, also when the step adds a share to a Keras loss (a
-   custom `train_step` adding `scale_regularization_loss`). Such a step
-   averages its replicas equally (a share already carries its examples'
-   weight).
+   `tf.nn.scale_regularization_loss`, a user's call of Keras'
+   `scale_loss_for_distribution`) mean "my share". In `strategy.run` their
+   values are stock. In a one-device step the share becomes the replica's
+   mean (times the replica count): its value in a Keras step, so it logs
+   one device's number; only its gradient in a `replicate` step, whose
+   outputs the user reduces. Averaging then sums the shares' gradients: one
+   device's update, also when a share is added to a Keras loss (a
+   `train_step` adding `scale_regularization_loss`); such a step averages
+   its replicas equally (a share already carries its examples' weight).
 
-`gradient_reduction=` on the replicator overrides the rule for every
-update: `"mean"` treats every step as one device's (rule 1, also for
-`strategy.run`), `"sum"` as tf.distribute's (stock Keras everywhere, also
-in `fit`; a wrapped optimizer sums).
+The replicator's `gradient_reduction=` overrides the rule: `"mean"` treats
+every step as one device's (rule 1, `strategy.run` too), `"sum"` as
+tf.distribute's (stock Keras everywhere, `fit` too; a wrapped optimizer
+sums).
 
 `PATCH.pins` records the exact Keras and TensorFlow source lines this
 relies on; `tests/test_patches.py` fails when an upgrade changes them.

@@ -1,44 +1,33 @@
 """Keras variables that `keras.distribution.ModelParallel` stores sharded.
 
-On JAX, Keras asks the distribution for a variable's layout when it creates
-the variable (`backend/jax/core.py`); the TensorFlow backend never asks
-(`backend/tensorflow/core.py` builds a plain `tf.Variable`). Here, under
-the replicator of a `ModelParallel` distribution (`distribution/runtime.py`):
+On JAX, Keras asks the distribution for a variable's layout at creation
+(`backend/jax/core.py`); TensorFlow's backend builds a plain `tf.Variable`.
+Here, under a `ModelParallel` distribution's replicator:
 
-- `Variable._initialize` asks `distribution.get_variable_layout(variable)`
-  (as JAX does); a layout that splits a dimension makes block storage
-  (`sharding/sharded.py`) and gives the variable that layout, so the
-  optimizer slots Keras makes from it (`add_variable_from_reference` passes
-  `layout=reference._layout`) are split the same way. (Keras 3.10 to
-  3.14 drop that `layout`: there `Variable.__init__` keeps it.)
-- `Variable.value` of a sharded variable is, inside a replica step, its
-  full value gathered from the blocks (with a gradient that reduces and cuts
-  back to the block); while an optimizer updates it
-  (`core.placements.local_reads`), the replica's own block; outside a
-  replica step, the full value assembled on the host. So `numpy()`,
-  `get_weights`, `save_weights` and `model.save` see whole values.
-- `Variable.handle` is the stored block's (what `GradientTape` watches).
-- `Variable._direct_assign` cuts a full value into blocks.
-- `H5IOStore.__getitem__` (a `.weights.h5` value, also of a sharded h5
-  file) under `ModelParallel` is a read-only memory map of the value's
-  bytes where one can mean it exactly (`sharding/sharded.mapped_dataset`),
-  so loading reads only this process's blocks of a split variable instead
-  of Keras 3.12+'s whole NumPy copy.
-- `TFOptimizer._var_key` keys a sharded variable by its storage, as it
-  keys every other variable.
-- A SavedModel (`model.export`, `tf.saved_model.save`) of a sharded
-  variable is refused (`NotImplementedError`): the variable's own SavedModel
-  methods refuse, and so, on Keras 3.16, does the TensorFlow backend's
-  export archive, which tracks the `tf.Variable` under each Keras variable
-  (its block storage) instead of the Keras variable.
+- `Variable._initialize` asks `distribution.get_variable_layout(variable)`;
+  a layout splitting a dimension makes block storage (`sharding/sharded.py`)
+  and is kept, so the optimizer slots `add_variable_from_reference` makes
+  (`layout=reference._layout`) split alike (Keras 3.10 to 3.14 drop that
+  `layout`: there `Variable.__init__` keeps it);
+- `Variable.value` is, in a replica step, the value gathered from the blocks
+  (its gradient reduced and cut back to the block); while an optimizer
+  updates it (`core.placements.local_reads`), the replica's block; outside a
+  step, the value assembled on the host, for `numpy()`, `get_weights`,
+  `save_weights` and `model.save`;
+- `Variable.handle` is the stored block's (what `GradientTape` watches);
+- `Variable._direct_assign` cuts a full value into blocks;
+- `H5IOStore.__getitem__` is a read-only memory map of a `.weights.h5`
+  value where one means it exactly (`sharded.mapped_dataset`), so loading
+  reads this process's blocks, not Keras 3.12+'s whole NumPy copy;
+- `TFOptimizer._var_key` keys a sharded variable by its storage;
+- a SavedModel (`model.export`, `tf.saved_model.save`) is refused
+  (`NotImplementedError`) by the variable's methods and, on Keras 3.16, by
+  the export archive, which tracks each Keras variable's storage;
 - `BaseOptimizer._clip_gradients` (`clipnorm`, `global_clipnorm`) takes the
-  norms of the FULL gradients of sharded variables (a block's squares,
-  summed over the replicas once per copy of the block), so clipping acts as
-  on one device; `_backend_apply_gradients` tells it which gradients are
-  blocks.
+  FULL gradients' norms (a block's squares summed over replicas once per
+  copy), as on one device; `_backend_apply_gradients` says which are blocks.
 
-Every replacement runs the stock code for a variable that is not sharded.
-`PATCH.pins` records the Keras lines relied on.
+Unsharded variables run the stock code. `PATCH.pins` records the lines.
 """
 
 from __future__ import annotations

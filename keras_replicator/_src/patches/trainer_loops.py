@@ -1,35 +1,29 @@
 """Keras' `fit`, `evaluate` and `predict`: the replicator's own loops, if any.
 
-Several behaviours need these entry points, and one patch owns them:
+One patch owns these entry points, for:
 
-- Under `AsyncReplicator` Keras 3 cannot train at all (keras-team/keras#18624:
-  its trainer calls `strategy.run` on the coordinator, which a
-  `ParameterServerStrategy` refuses). A replicator that brings its own Keras
-  loops (a `keras_loops` attribute with `fit`, `evaluate` and `predict`
-  functions of `(model, replicator, **arguments)`) gets every call, with the
-  arguments bound to Keras' own signature.
-- Exact evaluation of padded data (`exact_eval`): before the stock
-  `evaluate`, the model learns whether `x` is data the sharder padded.
-- Preemption (`preemption`): the stock `fit` runs with the preemption
-  signal handlers installed, and they are put back however it ends.
-- The hang watchdog (`training/hang_watchdog.py`): under `LocalReplicator`
-  and `MultiWorkerReplicator` each call is a watched loop.
-- A model with variables `keras.distribution.ModelParallel` stores in
-  blocks: with `jit_compile=True` each device's share of its step is
-  compiled (`patches/per_replica_jit.py`). Its layers that own
-  such variables are rematerialised for `fit` (`sharding/remat.py`), and
-  for array data or a batched dataset its products learn the global batch
-  (`sharding/contraction.batch_hint`): each chooses its path when traced.
-- Under `keras.distribution` (`DataParallel`, `ModelParallel`), `Dropout`
-  draws the global batch's masks in `fit`, as on JAX
-  (`layers/global_dropout.py`); `BatchNormalization`'s global statistics
-  are `patches/batch_statistics.py`'s.
-- At a model's first `fit` under `ModelParallel`, a warning names the
-  layout map keys that matched nothing and the large variables it leaves
-  whole (`sharding/report.py`).
+- `AsyncReplicator`, under which Keras 3 cannot train (keras-team/keras#18624:
+  `strategy.run` on the coordinator, which `ParameterServerStrategy`
+  refuses). A replicator with its own loops (`keras_loops.fit`/`evaluate`/
+  `predict`, functions of `(model, replicator, **arguments)`) gets every
+  call, its arguments bound to Keras' signature;
+- exact evaluation (`exact_eval`): `evaluate` learns whether `x` is padded;
+- preemption: `fit` runs with the signal handlers installed, put back
+  however it ends;
+- the hang watchdog (`training/hang_watchdog.py`): each call under
+  `LocalReplicator`/`MultiWorkerReplicator` is a watched loop;
+- `ModelParallel`'s block-stored variables: with `jit_compile=True` each
+  device's share is compiled (`patches/per_replica_jit.py`), their layers
+  are rematerialised for `fit` (`sharding/remat.py`), and products learn the
+  global batch of array data or a batched dataset
+  (`sharding/contraction.batch_hint`) to choose their path;
+- `keras.distribution`: `Dropout` draws the global batch's masks in `fit`,
+  as on JAX (`layers/global_dropout.py`);
+- a model's first `fit` under `ModelParallel`: a warning names layout map
+  keys that matched nothing and large variables left whole
+  (`sharding/report.py`).
 
-Everything else, including every model under no strategy or a stock
-`tf.distribute` strategy, runs Keras' stock method unchanged.
+Everything else (no strategy, a stock one) runs Keras' method unchanged.
 """
 
 from __future__ import annotations
@@ -96,13 +90,10 @@ def _with_timeline(arguments) -> dict | None:
 def _global_batch(arguments) -> int | None:
     """The global batch Keras' loop will step through, if known; else None.
 
-    Array data is cut into `batch_size` rows (Keras' default 32). A
-    `tf.data.Dataset` made by `.batch(n)` (keras-hub's tasks make one from
-    arrays) has batches of `n` rows, the last maybe fewer: its pipeline is
-    followed back through transformations that keep the batch to the
-    `batch` that made it. Anything else (a generator, a `PyDataset`, a
-    dataset unbatched or rebatched after) is unknown. Only a product's
-    path depends on this (`contraction.batch_hint`), never a number.
+    Array data: `batch_size` (Keras' default 32). A dataset made by
+    `.batch(n)` (keras-hub's tasks make one): `n`, found back through
+    batch-keeping transformations. Anything else is unknown. Only a
+    product's path depends on it (`contraction.batch_hint`), never a number.
     """
     x = arguments.get("x")
     if isinstance(x, tf.data.Dataset):
@@ -145,13 +136,10 @@ def _dataset_batch(dataset) -> int | None:
 def _batch_statistics(model, strategy) -> None:
     """Global dropout masks under `keras.distribution`.
 
-    On JAX one program runs over the whole mesh, so `Dropout` under
-    `DataParallel` or `ModelParallel` draws the global batch's mask, one
-    device's. The layers of a model fit under a distribution get an
-    override that does the same when traced under its replicator (once:
-    the train function is traced anew only then); a plain replicator keeps
-    tf.distribute's per-replica masks. (`BatchNormalization`'s global
-    statistics are `patches/batch_statistics.py`'s, for every replicator.)
+    On JAX one program spans the mesh, so `Dropout` under a distribution
+    draws the global batch's mask. A model fit under one gets an override
+    doing the same when traced under its replicator; a plain replicator
+    keeps tf.distribute's per-replica masks.
     """
     if getattr(strategy, placements.DISTRIBUTION_ATTR, None) is None:
         return
