@@ -1,18 +1,14 @@
 """The one place that builds packed all-reduces and cross-worker sums.
 
-Every collective keras-replicator issues goes through here: the primitives
-(`kr.all_reduce`, `kr.broadcast`), gradient averaging (`wrap_optimizer`),
-cross-replica batch norm, the packed reduction of Keras' logs,
-`MetricReduction` and sharded optimizer state. Packing is the same
-everywhere: values are grouped by dtype (a collective carries one dtype;
-MirroredStrategy also reduces int32 on the host and floats on the devices
-and refuses to batch both), and each group goes out as ONE collective, in
-sorted dtype order; sharded optimizer state splits each group further into
-`buckets` (`all_reduce(..., bucket_bytes=...)`), to hold less memory.
-
-Sorted order matters: every replica of every worker must issue its
-collectives in the same order, or the all-reduces pair up different values
-or hang.
+Every collective keras-replicator issues goes through here (primitives,
+gradient averaging, cross-replica batch norm, Keras' logs,
+`MetricReduction`, sharded optimizer state). Values are grouped by dtype (a
+collective carries one dtype; MirroredStrategy reduces int32 on the host
+and floats on the devices and refuses to batch both) and each group goes
+out as ONE collective, in sorted dtype order: every replica of every worker
+must issue collectives in the same order, or they pair up different values
+or hang. Sharded optimizer state splits groups into `buckets`
+(`bucket_bytes=`) to hold less memory.
 """
 
 from __future__ import annotations
@@ -37,21 +33,11 @@ def all_reduce(
 ) -> list[tf.Tensor | None]:
     """All-reduces a flat list in a replica context, one collective per dtype.
 
-    (Or one per bucket of a dtype, with `bucket_bytes`.)
-
-    Args:
-        ctx: The replica context (inside `strategy.run`).
-        op: `"sum"` or `"mean"`.
-        values: Tensors; None entries are passed through.
-        options: Optional `CommunicationOptions` (e.g. `bytes_per_pack`,
-            which lets TensorFlow split a group into packs that overlap).
-        bucket_bytes: If set, each dtype's values go out in `buckets` of
-            this size instead of one pack: a value at least this large
-            alone (reduced in place, no concatenated copy), smaller ones
-            together.
-
-    Returns:
-        The reduced tensors, in the order of `values`.
+    `op` is `"sum"` or `"mean"`; None entries of `values` pass through; the
+    result keeps their order. `options` are `CommunicationOptions` (e.g.
+    `bytes_per_pack`: TensorFlow splits a group into overlapping packs).
+    With `bucket_bytes`, each dtype goes out in `buckets` of that size: a
+    value at least that large alone (in place, no concatenated copy).
     """
     groups: dict[str, list[int]] = {}
     for i, v in enumerate(values):
@@ -78,19 +64,11 @@ def all_reduce(
 
 
 def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
-    """Groups positions into buckets of at most about `limit` bytes.
+    """Groups positions of byte `sizes` into buckets of about `limit` bytes.
 
-    A value of at least `limit` bytes is a bucket of its own; consecutive
-    smaller ones share a bucket while their total stays within `limit`.
-    The grouping depends on the sizes only, so every replica makes the same
-    buckets in the same order.
-
-    Args:
-        sizes: Byte sizes, in order.
-        limit: The bucket size in bytes (positive).
-
-    Returns:
-        Lists of positions into `sizes`, in order, covering every position.
+    A value of at least `limit` is a bucket of its own; consecutive smaller
+    ones share one while their total stays within `limit`. It depends on
+    sizes only, so every replica makes the same buckets in the same order.
     """
     out: list[list[int]] = []
     total = limit  # No open bucket.
@@ -110,9 +88,8 @@ def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
 def _nbytes(value) -> int:
     count = value.shape.num_elements()
     if isinstance(value, tf.IndexedSlices) or count is None:
-        # Counted as large, so it goes out on its own: a sparse gradient's
-        # size depends on the batch, and the buckets must depend on the
-        # variables only.
+        # Alone: a sparse gradient's size depends on the batch, and the
+        # buckets must depend on the variables only.
         return 2**62
     return count * value.dtype.size
 
@@ -122,29 +99,18 @@ def all_gather_equal(
 ) -> tf.Tensor:
     """All-gathers a rank-1 shard of the same length on every replica.
 
-    Replica `r` passes its shard; every replica gets the shards
-    concatenated in replica order. The shard lengths are equal (static, or
-    made equal in the graph, as ModelParallel pads its rows to the most any
-    replica has), so in a graph this is ONE `CollectiveGatherV2` issued by
-    the strategy's own launcher for this replica (its group, instance keys
-    and ordering token). `ReplicaContext.all_gather` would allow unequal
-    lengths: it first gathers the shapes, pads, and concatenates the
-    unpadded pieces into a second full-size buffer. Eagerly, or under a
-    strategy without collective launchers, it falls back to
-    `ReplicaContext.all_gather`.
-
-    Args:
-        ctx: The replica context (inside `strategy.run`).
-        shard: A rank-1 tensor of the same length on every replica.
-
-    Returns:
-        A rank-1 tensor of `num_replicas_in_sync` times the shard's length.
+    Returns the shards concatenated in replica order. Lengths are equal
+    (static, or padded in the graph as ModelParallel pads its rows), so in
+    a graph this is ONE `CollectiveGatherV2` from this replica's launcher
+    (its group, instance keys, ordering token); `ReplicaContext.all_gather`
+    allows unequal lengths: it gathers the shapes, pads, and copies the
+    unpadded pieces into a second full-size buffer. Eagerly, or without
+    collective launchers, it falls back to that.
     """
     dtype = shard.dtype
     if dtype not in _GATHER_DTYPES:
-        # TensorFlow's CPU gather takes only these dtypes: bfloat16 (the
-        # dtype of keras-hub's presets) travels as float16 bits, unchanged;
-        # others as a wider type that holds them exactly.
+        # TensorFlow's CPU gather takes only these dtypes: bfloat16
+        # (keras-hub's presets) travels as float16 bits; others widened.
         wide = tf.float16 if dtype.size == 2 else _wider(dtype)
         moved = (
             tf.bitcast(shard, wide)
@@ -167,23 +133,13 @@ def all_to_all_equal(
 ) -> tf.Tensor:
     """Sends `pieces[j]` to replica `j`; returns what each replica sent here.
 
-    Replica `r` passes `pieces` of shape `(num_replicas_in_sync, ...)`,
-    the same on every replica when the step runs (dimensions after the
-    first may be unknown when traced), with at least one value: TensorFlow's
-    CPU all-to-all fails on none. It gets back a tensor of that shape whose
-    `[j]` is replica `j`'s `pieces[r]`. In a graph this is ONE
-    `CollectiveAllToAllV2` issued with this replica's launcher's keys and
-    ordering token (over MPI: one `Alltoall`). Each replica receives only
-    what is meant for it, where an all-gather would bring it everything.
-    Eagerly, or without launchers, it is an all-gather of every replica's
-    pieces.
-
-    Args:
-        ctx: The replica context (inside `strategy.run`).
-        pieces: A tensor whose first dimension is the number of replicas.
-
-    Returns:
-        A tensor of `pieces`' shape and dtype.
+    `pieces` is `(num_replicas_in_sync, ...)`, the same shape on every
+    replica at run time (later dimensions may be unknown when traced), and
+    non-empty: TensorFlow's CPU all-to-all fails on none. Replica `r` gets
+    that shape back, `[j]` being replica `j`'s `pieces[r]`. In a graph this
+    is ONE `CollectiveAllToAllV2` with this replica's launcher's keys and
+    ordering token (over MPI: one `Alltoall`), moving only what each replica
+    needs; eagerly, or without launchers, an all-gather of all pieces.
     """
     dtype = pieces.dtype
     if dtype not in _GATHER_DTYPES and dtype != tf.bfloat16:
@@ -220,10 +176,8 @@ def all_to_all_equal(
 def all_reduce_sum(ctx: tf.distribute.ReplicaContext, value: tf.Tensor):
     """Sums one dense tensor over the replicas, without `merge_call`.
 
-    One `CollectiveReduceV2` issued by this replica's launcher, as
-    `all_gather_equal` does, so it may sit in a `tf.cond` branch (a
-    `merge_call` may not). Eagerly, or without launchers, it is
-    `ctx.all_reduce`.
+    One `CollectiveReduceV2` from this replica's launcher, so it may sit in
+    a `tf.cond` branch; eagerly, or without launchers, `ctx.all_reduce`.
     """
     launcher = _launcher(ctx)
     if launcher is None:
@@ -247,13 +201,12 @@ def _wider(dtype):
 def _launcher(ctx):
     """This replica's `CollectiveReplicaLauncher`, or None where unusable."""
     if tf.executing_eagerly():
-        # Eager replicas run one after another: a collective issued outside
-        # `merge_call` would wait for the others forever.
+        # Eager replicas run in turn: a collective outside `merge_call`
+        # would wait for the others forever.
         return None
     extended = ctx.strategy.extended
-    # MirroredStrategy keeps its collectives in `_collective_ops` even when
-    # it reduces with other cross-device ops; the multi-worker strategy in
-    # `_cross_device_ops`.
+    # MirroredStrategy keeps them in `_collective_ops` (even when reducing
+    # with other cross-device ops), the multi-worker one `_cross_device_ops`.
     for name in ("_collective_ops", "_cross_device_ops"):
         ops = getattr(extended, name, None)
         if isinstance(ops, cross_device_ops.CollectiveAllReduce):
@@ -269,21 +222,12 @@ def reduce_scalars(
 ) -> list:
     """Reduces the scalar per-replica leaves of a nest, packed by dtype.
 
-    Cross-replica context (Keras' `reduce_per_replica` of a step's logs):
-    the floating scalar leaves of one dtype are stacked on each replica's
-    device and reduced in one call of `reduce_fn(reduce_op, value,
-    axis=None)` (a strategy's `reduce`), instead of one call each.
-
-    Args:
-        reduce_fn: The strategy's stock `reduce`.
-        reduce_op: `"SUM"`, `"MEAN"` or a `tf.distribute.ReduceOp`.
-        leaves: Flat leaves: `PerReplica` values or tensors.
-        num_local_replicas: This process's replicas; with one, `run`
-            returns plain tensors, which count as that replica's value.
-
-    Returns:
-        A list like `leaves` with the packed leaves reduced and the others
-        left as None, for the caller to reduce one by one.
+    In cross-replica context (Keras' `reduce_per_replica` of a step's logs)
+    the floating scalar leaves of a dtype are stacked per replica device and
+    reduced in one `reduce_fn(reduce_op, value, axis=None)` (the strategy's
+    stock `reduce`). `leaves` are `PerReplica` values or tensors (with one
+    local replica `run` returns plain tensors). Returns a list like
+    `leaves`: packed ones reduced, others None for the caller to reduce.
     """
     local = [_local_scalars(leaf, num_local_replicas) for leaf in leaves]
     groups: dict[str, list[int]] = {}
@@ -311,20 +255,11 @@ def sum_over_workers(
     """Sums a NumPy vector over the workers of `strategy`: one all-reduce.
 
     Call it eagerly, in cross-replica context, on every worker.
-
-    Args:
-        strategy: A multi-worker strategy.
-        vector: This worker's values.
-        num_workers: The number of worker processes.
-
-    Returns:
-        The element-wise sum over workers, the same on every worker.
     """
     per_worker = strategy.num_replicas_in_sync // num_workers
 
     def value_fn(ctx):
-        # One replica per worker (its first; replica ids run worker by
-        # worker) carries the vector; the others add zeros.
+        # Each worker's first replica carries the vector; others add zeros.
         first = ctx.replica_id_in_sync_group % per_worker == 0
         return tf.constant(vector if first else np.zeros_like(vector))
 

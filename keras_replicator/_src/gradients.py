@@ -1,20 +1,17 @@
 """The one rule that combines the replicas' gradients.
 
-Two conventions exist, and code is written for one of them (the full
-account, with the Keras hooks that apply it, is `patches/replica_mean.py`):
+Code follows one of two conventions (full account: `patches/replica_mean.py`):
 
-- **One device's** (Keras' `fit`/`evaluate`, `replicate`,
-  `wrap_optimizer`): each replica's loss is its own mean, and the replicas'
-  gradients are AVERAGED, weighted by each replica's example count
-  (`mean_gradients`).
+- **One device's** (Keras' `fit`/`evaluate`, `replicate`, `wrap_optimizer`):
+  each replica's loss is its own mean; gradients are AVERAGED, weighted by
+  each replica's example count (`mean_gradients`).
 - **tf.distribute's** (the user's own `strategy.run`): each replica's loss
-  is its share of the global loss, and the gradients are SUMMED.
+  is its share of the global loss; gradients are SUMMED.
 
-Which one an update follows is decided at trace time from the running
-replica step (`core/replica_step.py`) and the replicator's
-`gradient_reduction=` override (`one_device_convention`). The patches, the
-training API (`training/optimizer.py`) and the sharded variables
-(`sharding/sharded.py`) all call down to this module; it imports no patch.
+`one_device_convention` decides at trace time, from the running replica
+step (`core/replica_step.py`) and the `gradient_reduction=` override. The
+patches, `training/optimizer.py` and `sharding/sharded.py` call down to
+this module; it imports no patch.
 """
 
 from __future__ import annotations
@@ -33,11 +30,11 @@ KINDS = frozenset({"local", "multi_worker"})
 _ONE_DEVICE_APIS = (replica_step.KERAS, replica_step.REPLICATOR)
 
 _lock = threading.Lock()
-# id(optimizer) -> how many calls in flight gave it averaged gradients:
-# its own cross-replica sum is off.
+# id(optimizer) -> calls in flight that gave it averaged gradients (its own
+# cross-replica sum is off).
 _sum_off: dict[int, int] = {}
-# id(optimizer) -> how many outer optimizers in flight averaged for it: its
-# `apply` must not average again.
+# id(optimizer) -> outer optimizers in flight that averaged for it (its
+# `apply` must not average again).
 _fed: dict[int, int] = {}
 
 
@@ -56,10 +53,8 @@ def gradient_reduction(strategy) -> str:
 def one_device_convention(step=None, strategy=None) -> bool:
     """Whether losses in the running step are replicas' own means.
 
-    True in Keras steps and `replicate` steps, and everywhere under
-    `gradient_reduction="mean"`; False in the user's own `strategy.run`
-    (or a `tf.function` given to it), and everywhere under
-    `gradient_reduction="sum"`.
+    True in Keras and `replicate` steps, False in the user's own
+    `strategy.run`; `gradient_reduction="mean"` or `"sum"` overrides.
     """
     strategy = strategy or tf.distribute.get_strategy()
     reduction = gradient_reduction(strategy)
@@ -74,24 +69,12 @@ def mean_gradients(
 ):
     """Averages `grads` over all replicas, weighted by example counts.
 
-    Call it in a replica context. One packed all-reduce per dtype (or per
-    bucket, with `bucket_bytes`) carries the weighted gradients and the
-    weights. A step that scaled a loss as a
-    share averages its replicas equally (its shares already weigh their
-    examples).
-
-    Args:
-        grads: Gradients (tensors or `IndexedSlices`); None entries are
-            passed through.
-        ctx: The replica context. Defaults to the current one.
-        wire_dtype: If set, floating gradients wider than 16 bits travel in
-            this dtype and are cast back.
-        options: Optional `tf.distribute.experimental.CommunicationOptions`.
-        bucket_bytes: If set, `collectives.all_reduce`'s buckets instead of
-            one pack per dtype.
-
-    Returns:
-        The averaged gradients, in the order and dtypes of `grads`.
+    In a replica context (`ctx`, default the current one), one packed
+    all-reduce per dtype (or bucket, `bucket_bytes`) carries the weighted
+    gradients (tensors or `IndexedSlices`; None passes through) and the
+    weights. A step whose losses are shares averages equally (shares
+    already weigh their examples). With `wire_dtype`, floating gradients
+    wider than 16 bits travel in it. Keeps the order and dtypes of `grads`.
     """
     ctx = ctx or tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
@@ -99,13 +82,11 @@ def mean_gradients(
         return list(grads)
     count = _varying_count()
     if count is None:
-        # Every replica has the same number of examples (or none is known):
-        # the plain mean, one multiplication per gradient.
+        # Equal (or unknown) counts: the plain mean.
         return scaled_sum(
             grads, ctx, 1.0 / replicas, wire_dtype, options, bucket_bytes
         )
-    # weight = count / replicas: the common factor keeps the sums as small
-    # as the stock ones. The weights travel in the gradients' pack.
+    # `/ replicas` keeps the sums as small as the stock ones.
     weight = count * (1.0 / replicas)
     sent = [_to_wire(_times(g, weight), wire_dtype) for g in grads]
     reduced = collectives.all_reduce(
@@ -121,9 +102,8 @@ def mean_gradients(
 def _varying_count():
     """The running step's example count if replicas may differ, else None.
 
-    None when every replica weighs the same: no step is running, the step
-    scaled its losses as shares (they already weigh their examples), or
-    the count is a Python int (the same static batch everywhere).
+    None without a step, when losses are shares (already weighted), or for
+    a Python int count (the same static batch everywhere).
     """
     step = replica_step.current()
     if step is None or step.shares or isinstance(step.count, int):
@@ -132,13 +112,11 @@ def _varying_count():
 
 
 def replica_weights(ctx, dtype=tf.float32) -> tf.Tensor:
-    """This replica's weight in `mean_gradients`: a scalar.
+    """This replica's scalar weight in `mean_gradients` (sum of `w_r * g_r`).
 
-    `mean_gradients(g)` is `sum over replicas r of weight_r * g_r`; a
-    gradient computed from every replica's examples at once (a sharded
-    kernel's block, `sharding/contraction.py`) scales each replica's rows
-    by it. Unlike `mean_gradients`, whose weights ride in the gradients'
-    pack, it costs one scalar all-reduce when the counts may differ.
+    For a gradient computed from every replica's examples at once (a sharded
+    kernel's block, `sharding/contraction.py`) to scale each replica's rows.
+    Costs one scalar all-reduce when the counts may differ.
     """
     replicas = ctx.num_replicas_in_sync
     if replicas == 1:
@@ -155,19 +133,10 @@ def replica_weights(ctx, dtype=tf.float32) -> tf.Tensor:
 def wrapped_gradients(grads, ctx, wire_dtype=None, options=None):
     """Combines `grads` for `ReplicatedOptimizer`: averaged or summed.
 
-    `wrap_optimizer` promises one device's numbers for a replica's mean
-    loss: the average. It sums when the step's losses are shares: in the
-    user's own `strategy.run` after a scaling helper or a Keras `Loss` (or
-    everywhere under `gradient_reduction="sum"`).
-
-    Args:
-        grads: Gradients; None entries are passed through.
-        ctx: The replica context.
-        wire_dtype: If set, the dtype floating gradients travel in.
-        options: Optional `CommunicationOptions`.
-
-    Returns:
-        The combined gradients, in the order and dtypes of `grads`.
+    Averages (one device's numbers for a mean loss) unless the losses are
+    shares: in the user's own `strategy.run` after a scaling helper or a
+    Keras `Loss`, or under `gradient_reduction="sum"`. Arguments as in
+    `mean_gradients`.
     """
     step = replica_step.current()
     strategy = ctx.strategy
@@ -254,15 +223,9 @@ def _exit(table, optimizers):
 def receiving_reduced(optimizer):
     """While open, `optimizer`'s inner optimizers get averaged gradients.
 
-    For an optimizer that averaged the gradients itself (the patched
-    `apply`, `ReplicatedOptimizer`): its own and its inner optimizers'
-    cross-replica sums are off, and the inner ones do not average again.
-
-    Args:
-        optimizer: The optimizer whose `apply` averaged the gradients.
-
-    Yields:
-        None.
+    For an optimizer whose `apply` averaged itself (the patched `apply`,
+    `ReplicatedOptimizer`): its and its inner optimizers' cross-replica
+    sums are off, and the inner ones do not average again.
     """
     chain = _chain(optimizer)
     _enter(_sum_off, chain)

@@ -1,50 +1,41 @@
 """Collectives between processes over MPI: the MaTEx paper's transport.
 
-`MultiWorkerReplicator` (and `keras.distribution` over processes, which
-runs on it) issues every collective of a step through its cross-device
-ops' per-replica launchers: gradient all-reduces, Keras' logs, `strategy
-.reduce`, all-gathers, ModelParallel's gathers, sums and all-to-alls
-(`collectives.py` calls the launcher itself). Under the MPI transport
-(cluster/transport.py) `install` swaps those launchers for
-`MpiLauncher`s, so the same graph
-exchanges its bytes with mpi4py over the user's MPI instead of
-TensorFlow's gRPC ring. The cluster still forms over TensorFlow's
-coordination service: start-up, the chief's broadcast of initial values
-when variables are created, heartbeats and barriers stay there, once per
-job or per save, not per step.
+`MultiWorkerReplicator` (so `keras.distribution` over processes too) issues
+every collective of a step (gradient all-reduces, Keras' logs,
+`strategy.reduce`, ModelParallel's gathers, sums and all-to-alls) through
+its cross-device ops' per-replica launchers; `collectives.py` calls them
+too. Under the MPI transport (cluster/transport.py) `install` swaps them
+for `MpiLauncher`s: the same graph moves its bytes with mpi4py instead of
+TensorFlow's gRPC ring. Start-up, the chief's broadcast of initial values,
+heartbeats and barriers stay on TensorFlow's coordination service (once
+per job or save, not per step).
 
-Each collective is one `tf.numpy_function`, stateful. MPI matches
-collectives by their order alone (TensorFlow's own carry instance keys,
-so theirs may run in any order), so every process must issue them in one
-order, whatever order TensorFlow could run independent ops in:
+Each collective is one stateful `tf.numpy_function`. MPI matches
+collectives by order alone (TensorFlow's carry instance keys), so every
+process must issue them in one order, whatever order TensorFlow runs
+independent ops in:
 
 - Within one graph, each MPI op waits for the one made before it.
-- Across graphs (a `tf.while_loop`'s body, a `tf.cond` branch, a nested
+- Across graphs (a `tf.while_loop` body, a `tf.cond` branch, a nested
   `tf.function` such as a sharded variable's gather), each MPI op also
   reads this process's ordering token (a scalar resource) and writes it
-  back after its exchange, as TensorFlow's own collectives use an
-  `ordering_token`. Automatic control dependencies then order every op
-  that holds the token, the `While`, `If` and call ops whose bodies use it
-  included, in program order. Without it, a `While` op (which has resource
+  after its exchange, like TensorFlow's `ordering_token`, so automatic
+  control dependencies order every op holding it (`While`, `If` and call
+  ops included) in program order. Without it, a `While` op (resource
   inputs, so no chain of stateless-resource ops reaches it) ran its first
-  iteration's weight gathers while the ops before the loop still ran
-  theirs: under ModelParallel, keras-hub's `generate` (a sampling loop
-  that reads every sharded weight) paired the gathers of different
-  weights across ranks and returned other tokens on each rank (or, with
-  top-k, an out-of-range index on one rank and a hang on the other).
-- Every collective first exchanges a small header (its count on this
-  process, kind, dtype and shapes) and checks that every rank's agrees: a
-  collective whose peers disagree raises on every rank, naming the op on
-  each, and never moves another rank's bytes. The header's exchange is
-  also the wait for every rank to arrive (see `_agree`).
+  weight gathers while ops before the loop still ran theirs: under
+  ModelParallel, keras-hub's `generate` paired different weights' gathers
+  across ranks and returned other tokens per rank (with top-k, an
+  out-of-range index on one rank and a hang on the other).
+- Every collective first exchanges a small header (count, kind, dtype,
+  shapes); if the ranks' differ, every rank raises, naming each rank's op,
+  before any bytes move. That exchange is also the wait for every rank
+  (`_agree`).
 
-The buffers are 64-byte aligned, so TensorFlow takes the results without
-a copy; one Allreduce per dtype per call, in place.
-
-MPI has no bfloat16 or float16 sum: those are summed as float32 and cast
-back (gathers move their bits unchanged).
-
-One replica per process (`transport.choose` keeps gRPC otherwise): MPI's
+Buffers are 64-byte aligned, so TensorFlow takes the results uncopied; one
+in-place Allreduce per dtype per call. MPI has no bfloat16 or float16 sum:
+those sum as float32 and cast back (gathers move their bits unchanged).
+One replica per process (`transport.choose` keeps gRPC otherwise): the
 ranks are the replicas, so no local sum precedes the exchange.
 """
 
@@ -79,12 +70,9 @@ def _comm():
 def install(extended, timeout_seconds: float | None = None) -> None:
     """Makes `extended`'s collectives between processes go over MPI.
 
-    Args:
-        extended: A `CollectiveAllReduceExtended` with one local replica.
-        timeout_seconds: Bound on each collective (None: none).
-
-    Raises:
-        ValueError: If the process holds several replicas.
+    `extended` is a `CollectiveAllReduceExtended` with one local replica;
+    `timeout_seconds` bounds each collective (None: unbounded). Raises
+    `ValueError` if the process holds several replicas.
     """
     if len(extended.worker_devices) != 1:
         raise ValueError(
@@ -110,10 +98,9 @@ def install(extended, timeout_seconds: float | None = None) -> None:
 class MpiLauncher:
     """One replica's collectives, over MPI.
 
-    Has the methods of TensorFlow's `CollectiveReplicaLauncher` that
-    `CollectiveAllReduce` and `collectives.py` call, and `all_to_all`
-    (which TensorFlow's launcher lacks: `collectives.py` issues its op
-    itself); each is one MPI call (sums: one Allreduce per dtype).
+    The `CollectiveReplicaLauncher` methods that `CollectiveAllReduce` and
+    `collectives.py` call, plus `all_to_all` (TensorFlow's launcher lacks
+    it); each is one MPI call (sums: one Allreduce per dtype).
     """
 
     def __init__(self, device: str, timeout_seconds: float | None = None):
@@ -138,10 +125,9 @@ class MpiLauncher:
             return all_reduce_sum(flat, self._timeout)
 
     def _all_gather(self, input_tensor, options=None):
-        """Concatenates every process's tensor along axis 0.
+        """Axis-0 concatenation of equal shapes: no sizes are exchanged.
 
-        What `collectives.all_gather_equal` calls: the shapes are equal on
-        every process (if not always static), so no sizes are exchanged.
+        For `collectives.all_gather_equal` (shapes may not be static).
         """
         del options
         with tf.device(self._device):
@@ -178,12 +164,8 @@ def all_reduce_sum(
 ) -> list[tf.Tensor]:
     """Sums dense tensors over the MPI processes: one Allreduce per dtype.
 
-    Args:
-        tensors: Dense tensors (any shapes and dtypes).
-        timeout_seconds: Bound on the exchange (None: none).
-
-    Returns:
-        The sums, shaped and typed like `tensors`.
+    Any shapes and dtypes; returns the sums shaped and typed like `tensors`.
+    `timeout_seconds` bounds the exchange (None: unbounded).
     """
     if not tensors:
         return []
@@ -211,18 +193,11 @@ def all_gather(
 ) -> tf.Tensor:
     """Concatenates every process's tensor along axis 0, in rank order.
 
-    Args:
-        tensor: This process's tensor. The processes' tensors may differ
-            along axis 0 only.
-        timeout_seconds: Bound on the exchange (None: none).
-        equal: Whether every process's tensor has this one's shape when
-            the collective runs (static or not: ModelParallel's rows are
-            padded to the most any replica has): then the header's check
-            holds every dimension equal, and one `Allgather` moves the
-            bytes.
-
-    Returns:
-        The concatenation, of this tensor's dtype.
+    The tensors may differ along axis 0 only. With `equal`, every process's
+    tensor has this one's shape when it runs (static or not: ModelParallel
+    pads its rows to the most any replica has): the header check holds
+    every dimension equal and one `Allgather` moves the bytes.
+    `timeout_seconds` bounds the exchange (None: unbounded).
     """
     tensor = tf.convert_to_tensor(tensor)
     moved = _moved(tensor)
@@ -242,15 +217,10 @@ def all_gather(
 def all_to_all(
     pieces: tf.Tensor, timeout_seconds: float | None = None
 ) -> tf.Tensor:
-    """Sends `pieces[j]` to rank `j`; returns what each rank sent here.
+    """Sends `pieces[j]` to rank `j`; the result's `[j]` is from rank `j`.
 
-    Args:
-        pieces: A tensor whose first dimension is the number of ranks, of
-            the same shape on every rank.
-        timeout_seconds: Bound on the exchange (None: none).
-
-    Returns:
-        A tensor of `pieces`' shape and dtype, `[j]` from rank `j`.
+    `pieces` has the same shape on every rank, its first dimension the
+    number of ranks. `timeout_seconds` bounds the exchange (None: none).
     """
     pieces = tf.convert_to_tensor(pieces)
     moved = _moved(pieces)
@@ -294,13 +264,11 @@ def _restored(moved: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 def _ordered(fn, inputs, dtypes, kind):
     """Runs `fn(arrays, name)` as one stateful op, in this process's order.
 
-    `name` is the op's name (for errors, and the timeline's record of the
-    call, as `kind`: `core/trace_events.py`). In a graph the op waits for the
-    graph's previous MPI op, and it reads this process's ordering token
-    before its exchange and writes it after, so automatic control
-    dependencies order it against every other op that holds the token, in
-    this graph or in any function, loop body or branch that it calls (the
-    module docstring says why).
+    `name` is the op's name, for errors and the timeline (as `kind`,
+    `core/trace_events.py`). In a graph the op waits for the graph's
+    previous MPI op and reads the ordering token before its exchange and
+    writes it after, ordering it against every op holding the token, in any
+    function, loop body or branch (the module docstring says why).
     """
     label = {"name": "an eager call"}
 
@@ -338,9 +306,8 @@ def _ordered(fn, inputs, dtypes, kind):
 def _ordering_token():
     """This process's ordering token: a scalar resource, made once, eagerly.
 
-    Raw resource ops, not a `tf.Variable`: a variable made inside a
-    replicator's scope would be a distributed one, its initial value
-    broadcast with a collective.
+    Raw resource ops: a `tf.Variable` made in a replicator's scope would be
+    distributed, its initial value broadcast with a collective.
     """
     global _TOKEN
     if _TOKEN is None:
@@ -388,8 +355,7 @@ def _sum_arrays(arrays, timeout, name="an eager call"):
     for key in sorted(by_dtype):
         indices = by_dtype[key]
         dtype = np.dtype(key)
-        # Each value starts on a 64-byte boundary of one buffer, so the
-        # views returned are aligned and TensorFlow wraps them uncopied.
+        # Each value starts 64-byte aligned, so TensorFlow wraps it uncopied.
         offsets, total = [], 0
         for i in indices:
             offsets.append(total)
@@ -455,42 +421,25 @@ _KIND_NAMES = {
 
 
 class CollectiveMismatchError(RuntimeError):
-    """The ranks reached collectives that differ (count, order, shape, dtype).
+    """The ranks reached collectives that differ; raised before bytes move.
 
-    Raised on every rank, before any of the collective's bytes move.
+    Differ in count, order, shape or dtype; raised on every rank.
     """
 
 
 def _agree(comm, kind, arrays, timeout, name, rows=0) -> np.ndarray:
     """Checks that every rank is at this same collective; waits for them.
 
-    Every rank sends a header: how many collectives this process has run,
-    the kind, a digest of the dtypes and shapes (an all-gather's first
-    dimension aside, which may differ) and one of the op's name (every
-    process traces the same program, so the names agree; an extra
-    collective on one rank pairs its next ones with other ops of the same
-    shape, whose names differ). One small non-blocking `Iallgather`,
-    polled with the timeout. Headers that differ mean the ranks' programs
-    issued other collectives, or in another order: every rank sees every
-    header, so every rank raises, naming each rank's op.
-    It is also the wait for every rank to arrive before a large exchange:
-    MPICH spins a core in a blocking call, and a rank that arrived first
-    would spin while the others still compute on the same cores.
-
-    Args:
-        comm: The communicator.
-        kind: `_SUM`, `_GATHER`, `_EQUAL_GATHER` or `_ALL_TO_ALL`.
-        arrays: This rank's arrays.
-        timeout: Bound on the wait (None: none).
-        name: This rank's op, for the error.
-        rows: This rank's count along axis 0 (`_GATHER`).
-
-    Returns:
-        Every rank's `rows`, in rank order.
-
-    Raises:
-        CollectiveMismatchError: If the ranks' headers differ.
-        TimeoutError: If a rank did not arrive within `timeout`.
+    Each rank's header: its collective count, `kind`, a digest of dtypes
+    and shapes (bar an all-gather's first dimension) and one of the op's
+    `name` (every process traces the same program; an extra collective on
+    one rank pairs its next ones with same-shaped ops of other names). One
+    small `Iallgather`, polled with `timeout`. Every rank sees every header,
+    so on a difference every rank raises `CollectiveMismatchError`, naming
+    each rank's op; a late rank raises `TimeoutError`. It is also the wait
+    before a large exchange: MPICH spins a core in a blocking call, which
+    would slow ranks still computing on the same cores. `rows` is this
+    rank's axis-0 count (`_GATHER`); returns every rank's, in rank order.
     """
     global _COUNT
     _COUNT += 1
@@ -535,9 +484,8 @@ _COUNT = 0
 def _exchange(comm, nbytes, start, call, timeout, what):
     """Runs one collective whose ranks have all arrived (`_agree`).
 
-    `start` begins it non-blocking (returns its request); `call` runs it
-    blocking. Up to `_SMALL` bytes it is polled (`_wait`); larger, the
-    blocking call only moves bytes.
+    Up to `_SMALL` bytes, `start()`'s request is polled (`_wait`); larger,
+    the blocking `call()` only moves bytes.
     """
     if nbytes <= _SMALL:
         _wait(start(), comm, timeout, what)
@@ -548,13 +496,12 @@ def _exchange(comm, nbytes, start, call, timeout, what):
 def _wait(request, comm, timeout, what, name=None):
     """Polls `request` until it completes, giving the core away as it waits.
 
-    A small collective is started non-blocking and polled here itself: one
-    exchange, where a barrier first would be two. The polls spin briefly
-    (a peer a few microseconds behind), then yield the core to whatever
-    else is runnable on it (the peer, on an oversubscribed host) for up to
-    `_YIELD_SECONDS`, then sleep `_NAP` between polls: a peer a step
-    behind costs a core nothing. Every poll also moves the
-    collective on (MPI progresses a non-blocking call when it is tested).
+    Polling a small collective itself is one exchange; a barrier first
+    would be two. Polls spin briefly (a peer microseconds behind), then
+    yield the core (to the peer, on an oversubscribed host) for up to
+    `_YIELD_SECONDS`, then sleep `_NAP` between polls, so a peer a step
+    behind costs no core. Each poll also progresses the collective (MPI
+    progresses a non-blocking call when it is tested).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     polls = 0
@@ -581,13 +528,11 @@ def _wait(request, comm, timeout, what, name=None):
 
 
 def _abort_at_exit(comm) -> None:
-    """Ends the MPI job when this process exits, once a collective is left.
+    """Aborts the MPI job at exit, once a collective is left pending.
 
-    A collective that timed out stays pending: MPI cannot cancel it, and
-    MPI_Finalize (mpi4py's, at exit) would wait for it, so this process
-    would outlive its error for as long as the stuck peer. At exit (before
-    mpi4py finalizes) it aborts the job instead: the launcher (mpiexec,
-    srun) then ends every rank, the stuck one too.
+    MPI cannot cancel a timed-out collective and MPI_Finalize (mpi4py's, at
+    exit) would wait for it as long as the stuck peer; aborting before it
+    lets the launcher (mpiexec, srun) end every rank, the stuck one too.
     """
     global _ABORT_REGISTERED
     if _ABORT_REGISTERED:
@@ -608,11 +553,10 @@ def _abort_at_exit(comm) -> None:
 
 _ABORT_REGISTERED = False
 
-# Polls before yielding; how long polls yield the core before they sleep;
-# the sleep between later polls. A collective up to _SMALL bytes is polled
-# itself; a larger one waits at a barrier, then moves its bytes in one
-# blocking call (MPI progresses a non-blocking call only when tested, so
-# a large one polled between sleeps would move slowly).
+# Polls before yielding; seconds they yield before sleeping; the sleep
+# between later polls. Above _SMALL bytes, one blocking call moves the bytes
+# (MPI progresses a non-blocking call only when tested, so a large one
+# polled between sleeps would move slowly).
 _SPINS = 64
 _YIELD_SECONDS = 2e-3
 _NAP = 5e-4

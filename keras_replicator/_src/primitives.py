@@ -1,18 +1,14 @@
 """Cross-replica primitives: MPI-like collectives callable inside a replica.
 
-TF-Replicator's `all_reduce`, `all_sum`, `all_mean`, `all_max`, `all_min`,
-`all_gather`, `broadcast`, `replica_id` and `num_replicas`, built on the
-public `tf.distribute.ReplicaContext` API, so they work under every strategy
-(`LocalReplicator`, `MultiWorkerReplicator`, a plain `MirroredStrategy`, or no
-strategy at all, where there is one replica and each is the identity).
+TF-Replicator's primitives on the public `tf.distribute.ReplicaContext` API,
+so they work under every strategy (with no strategy: one replica, identity).
 
-Rules that every replica must follow, as in the paper and the tf.distribute
-RFC: if one replica calls a primitive, all must, in the same order, with the
-same nest structure, shapes and dtypes. Pass a whole dict to one call rather
-than looping over it. On CPU and multi-worker strategies a collective cannot
-sit inside a `tf.cond` or a Python `if` on a tensor in the replica function:
-TensorFlow's `merge_call` refuses that ("`merge_call` called while defining a
-new graph"), so compute both sides and pick with `tf.where` instead.
+As in the paper and the tf.distribute RFC, if one replica calls a primitive,
+all must, in the same order, with the same nest structure, shapes and
+dtypes; pass a whole dict to one call rather than loop. On CPU and
+multi-worker strategies a collective cannot sit in a `tf.cond` or a Python
+`if` on a tensor: `merge_call` refuses ("`merge_call` called while defining
+a new graph"), so compute both sides and pick with `tf.where`.
 """
 
 from __future__ import annotations
@@ -44,18 +40,16 @@ _WHERE_TO_CALL = (
 def all_reduce(value: TensorTree, op: str = "sum") -> TensorTree:
     """Reduces `value` across all replicas in sync, on every worker.
 
-    Sum and mean use one batched collective for the whole nest. TensorFlow
-    has no max or min all-reduce, so those gather every replica's value and
-    reduce locally, which moves `num_replicas` times more data: keep their
-    inputs small (scalars, statistics), not whole gradient lists. Sum and
-    mean are differentiable; the gradient of an all-sum is an all-sum.
-
-    Call it in a replica context: inside `step_fn`, `strategy.run`, or a
-    Keras `train_step` or layer `call` under a replicator.
+    Sum and mean are one batched, differentiable collective for the whole
+    nest (an all-sum's gradient is an all-sum). TensorFlow has no max or
+    min all-reduce: those gather and reduce locally, moving `num_replicas`
+    times more data, so keep their inputs small (scalars, statistics). Call
+    it in a replica context (`step_fn`, `strategy.run`, a Keras
+    `train_step` or layer `call` under a replicator).
 
     Args:
-        value: A tensor or nested structure of tensors. Every replica must
-            pass the same structure, shapes and dtypes.
+        value: A tensor or nested structure of tensors, the same structure,
+            shapes and dtypes on every replica.
         op: One of `"sum"`, `"mean"`, `"max"`, `"min"`. Defaults to `"sum"`.
 
     Returns:
@@ -149,10 +143,9 @@ def all_min(value: TensorTree) -> TensorTree:
 def all_gather(value: TensorTree, axis: int = 0) -> TensorTree:
     """Concatenates every replica's `value` along `axis`, in replica order.
 
-    Replica `i`'s part comes `i`-th, counting replicas of worker 0 first.
-    Shapes may differ only along `axis`. A scalar is treated as a vector of
-    length one, so gathering scalars gives a vector with one entry per
-    replica: `all_gather(replica_id())` is `[0, 1, ..., n - 1]`.
+    Worker 0's replicas come first. Shapes may differ only along `axis`; a
+    scalar counts as a length-one vector: `all_gather(replica_id())` is
+    `[0, 1, ..., n - 1]`.
 
     Args:
         value: A tensor or nested structure of tensors.
@@ -183,10 +176,10 @@ def all_gather(value: TensorTree, axis: int = 0) -> TensorTree:
 def broadcast(value: TensorTree, source_replica: int = 0) -> TensorTree:
     """Gives every replica the value of replica `source_replica`.
 
-    Every replica evaluates `value`; only the source replica's is kept. It
-    is an all-sum of the source's value and zeros elsewhere (the K-FAC TPU
-    trick), which moves as many bytes as one all-reduce; gathering and then
-    indexing moves `num_replicas` times more (see `benchmarks/allreduce.py`).
+    Every replica evaluates `value`. It is an all-sum of the source's value
+    and zeros elsewhere (the K-FAC TPU trick): one all-reduce's bytes, where
+    gather-then-index moves `num_replicas` times more
+    (`benchmarks/allreduce.py`).
 
     Args:
         value: A tensor or nested structure of numeric or boolean tensors.
@@ -243,8 +236,8 @@ def replica_id() -> tf.Tensor:
 def num_replicas() -> int:
     """The number of replicas in sync, over all workers.
 
-    Unlike the other primitives it also works in cross-replica context (it
-    then reads the current strategy), and outside any strategy it is 1.
+    Also works in cross-replica context (from the current strategy); 1
+    outside any strategy.
 
     Returns:
         A Python int.
@@ -258,9 +251,8 @@ def num_replicas() -> int:
 def _replica_context(name: str) -> tf.distribute.ReplicaContext | None:
     """The replica context, or None while Keras traces shapes symbolically.
 
-    Keras builds layers under `strategy.scope()`, in cross-replica context,
-    on symbolic placeholders only to learn output shapes; the primitives then
-    act on the local value alone, which has the right shape and dtype.
+    Keras builds layers in cross-replica context on symbolic placeholders to
+    learn output shapes; the local value alone has the right shape and dtype.
     """
     if in_symbolic_scope():
         return None
@@ -286,10 +278,8 @@ def _replica_id(ctx: tf.distribute.ReplicaContext) -> tf.Tensor:
 def _local(value) -> tf.Tensor:
     """`value` as a tensor made on this replica's device.
 
-    A variable read directly has no device inside `strategy.run` with one
-    replica per worker, and TensorFlow's batch reduction then fails with
-    "destinations can not be empty"; `tf.identity` runs under the replica's
-    device scope, so its output carries the device.
+    With one replica per worker a variable read in `strategy.run` has no
+    device and batch reduction fails ("destinations can not be empty").
     """
     return tf.identity(value)
 

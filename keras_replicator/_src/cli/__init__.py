@@ -1,6 +1,5 @@
 """The `keras-replicator` command line (`main.py`) and its demo (`demo.py`).
 
-On top of the package: it starts replicators (`env` asks `kr.auto()`,
-`demo` trains on a `LocalReplicator`) and the launcher (`cluster/`), which
-sits below the replicators and imports none of them.
+On top of the package: it uses replicators and the launcher (`cluster/`,
+which sits below the replicators and imports none of them).
 """

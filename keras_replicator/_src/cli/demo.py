@@ -1,18 +1,16 @@
 """`keras-replicator demo`: a small ResNet on the digits data, replicated.
 
-Trains the same model with the same global batch on 1 replica and on N
-replicas, with `model.fit` under a `LocalReplicator`, and prints test accuracy
-and examples/sec side by side. The data is scikit-learn's bundled digits
-(1,797 real 8x8 images), so it runs offline.
+Trains one model and global batch on 1 and N replicas (`model.fit` under a
+`LocalReplicator`) and prints test accuracy and examples/sec side by side,
+offline, on scikit-learn's bundled digits (1,797 real 8x8 images).
 
-The rows print the same accuracy. The model computes in float64: N
-replicas sum each gradient in another order than one device (half-batch
-sums, then their sum), and in float32 that rounding (about 1e-7 of a
-gradient, more where its terms cancel) is amplified by 12 epochs of Adam
-into weights about 1e-3 apart, enough to flip a test example or two
-(98.61% against 98.33% at 14b6890). In float64 the rounding starts 1e-9
-times smaller and stays far below any prediction's margin. Nothing else
-differs: the batch statistics are the global batch's
+The rows show the same accuracy because the model computes in float64: N
+replicas sum each gradient in another order (half-batch sums, then their
+sum), and in float32 that rounding (about 1e-7 of a gradient, more where
+terms cancel) grows over 12 epochs of Adam into weights about 1e-3 apart,
+flipping a test example or two (98.61% against 98.33% at 14b6890); in
+float64 it starts 1e-9 times smaller, far below any margin. Nothing else
+differs: batch statistics are the global batch's
 (`CrossReplicaBatchNormalization`) and the shuffle is seeded the same.
 """
 
@@ -38,13 +36,9 @@ DTYPE = "float64"
 def load_digits_split(
     dtype: str = "float32",
 ) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """Digits as images in [0, 1], split 80/20 with a fixed seed.
+    """Digits as `(n, 8, 8, 1)` images in [0, 1], split 80/20, fixed seed.
 
-    Args:
-        dtype: The images' dtype.
-
-    Returns:
-        `((x_train, y_train), (x_test, y_test))`; images are `(n, 8, 8, 1)`.
+    Returns `((x_train, y_train), (x_test, y_test))`.
     """
     try:
         from sklearn.datasets import load_digits
@@ -68,16 +62,12 @@ def build_resnet(
 ) -> keras.Model:
     """A small ResNet-style convnet for 8x8 images, with cross-replica BN.
 
-    Args:
-        num_classes: Output classes.
-        width: Channels of every convolution.
-        dtype: The layers' dtype policy (the demo's is `DTYPE`).
+    `width` is every convolution's channels; `dtype` the layers' policy.
     """
 
     def bn():
-        # Statistics over the global batch when replicated, as on one device,
-        # with one fused all-reduce per layer (Keras' synchronized BN issues
-        # three). Momentum 0.9: the digits epochs are short.
+        # Global-batch statistics with one fused all-reduce per layer (Keras'
+        # synchronized BN issues three). Momentum 0.9: the epochs are short.
         return CrossReplicaBatchNormalization(momentum=0.9, dtype=dtype)
 
     def conv(filters, kernel, **kwargs):
@@ -129,15 +119,10 @@ class _Throughput(keras.callbacks.Callback):
 def train_once(
     num_replicas: int, epochs: int = EPOCHS, verbose: int | str = "auto"
 ) -> dict[str, float]:
-    """Trains the demo model on `num_replicas` CPU/GPU replicas.
+    """Trains the demo model on a `LocalReplicator` of `num_replicas`.
 
-    Args:
-        num_replicas: Replicas of the `LocalReplicator`.
-        epochs: Training epochs.
-        verbose: Passed to `model.fit` (the progress bar by default).
-
-    Returns:
-        A dict with `accuracy` (test) and `examples_per_sec` (training).
+    `verbose` goes to `model.fit`. Returns the test `accuracy` and training
+    `examples_per_sec`.
     """
     (x_train, y_train), (x_test, y_test) = load_digits_split(DTYPE)
     # Drop the ragged tail so every step has the full global batch.
@@ -169,11 +154,7 @@ def train_once(
 
 
 def run(replicas: int = 2, epochs: int = EPOCHS) -> dict[int, dict]:
-    """The demo: trains on 1 and on `replicas` replicas, prints a table.
-
-    Returns:
-        The results per replica count.
-    """
+    """Trains on 1 and on `replicas` replicas; prints and returns results."""
     results = {}
     for count in dict.fromkeys((1, replicas)):
         print(

@@ -1,11 +1,9 @@
 """The `keras-replicator` command.
 
-`--help`, `launch` and `tf-config` never import TensorFlow (see
-`lazy_package`); neither does `env` where no GPU can be (`_env`). `demo`,
-`checkpoint` and a TensorFlow-using `env` load the package, TensorFlow with
-it, hiding TensorFlow's C++ start-up logs unless `--verbose` is given or
-`TF_CPP_MIN_LOG_LEVEL` is set (see `tf_logs`). Keep this module's imports
-TensorFlow-free: commands import what they need.
+`--help`, `launch`, `tf-config` and `env` where no GPU can be never import
+TensorFlow (`lazy_package`). `demo`, `checkpoint` and other `env` runs
+load it, hiding its C++ start-up logs unless `--verbose` or
+`TF_CPP_MIN_LOG_LEVEL` (`tf_logs`). Keep module imports TensorFlow-free.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ def _load_package(args: argparse.Namespace) -> None:
     from keras_replicator._src.cluster import lazy_package
     from keras_replicator._src.cluster import tf_logs
 
-    # Once TensorFlow is in (the package was imported in full before the
-    # command ran, as in tests), its logging is set up already.
+    # TensorFlow already imported (as in tests): its logging is set up.
     if "tensorflow" in sys.modules or not tf_logs.quiet_wanted(args.verbose):
         lazy_package.load()
         return
@@ -111,10 +108,10 @@ def _devices(possible: str | None) -> str:
 def _env(args: argparse.Namespace) -> int:
     from keras_replicator._src.core import devices
 
-    # TensorFlow's import is most of the time `env` takes (5-8 s of CPU on
-    # a small machine): only a GPU that may be here needs it (only
-    # TensorFlow knows whether it can use one), or --tensorflow. The TPU,
-    # the cluster and the CPU replica count come from the environment.
+    # TensorFlow's import is most of `env`'s time (5-8 s of CPU on a small
+    # machine): only a possible GPU (only TensorFlow knows if it can use
+    # it) or --tensorflow needs it; TPU, cluster and CPU replicas come from
+    # the environment.
     possible = devices.gpus_possible()
     if args.tensorflow or possible is not None:
         _load_package(args)
@@ -125,8 +122,7 @@ def _env(args: argparse.Namespace) -> int:
 
     try:
         choice = auto.choose()
-        # A worker's replicas: KERAS_REPLICATOR_CPU_REPLICAS, else one
-        # (MultiWorkerReplicator's default without a GPU).
+        # KERAS_REPLICATOR_CPU_REPLICAS, else MultiWorkerReplicator's 1.
         replicas = int(os.environ.get(env.CPU_REPLICAS) or 1)
         carrier = transport.choose(replicas_per_process=replicas)
     except (ValueError, ImportError) as e:
@@ -197,16 +193,14 @@ def _launch(args: argparse.Namespace) -> int:
         command = command[1:]
     swap_python = not args.no_python_swap
     try:
-        # Before anything is printed or started: a missing script fails
-        # here.
+        # A missing script fails here, before anything is printed or run.
         command, note = launch.prepare_command(command, swap_python)
     except ValueError as e:
         print(f"keras-replicator launch: error: {e}", file=sys.stderr)
         return 2
     if note:
         print(note, file=sys.stderr, flush=True)
-    # The one-process advice is the chief worker's (cluster/process_layout.py):
-    # only it knows whether the script builds its replicator itself.
+    # The one-process advice is the chief's (cluster/process_layout.py).
     try:
         return launch.launch(
             command,
@@ -239,9 +233,8 @@ def _tf_config(args: argparse.Namespace) -> int:
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default.
 
-    A default of None (a value read from elsewhere) is spelled out in the
-    help itself; an on/off flag's default is "off"; required arguments
-    have none.
+    Except None (read elsewhere: the help says it) and required arguments;
+    an on/off flag's is "off".
     """
 
     def _get_help_string(self, action):

@@ -1,15 +1,10 @@
 """Cluster specs for multi-worker replicators: TF_CONFIG, Slurm or explicit.
 
-A cluster is a set of jobs ("chief", "worker", later "ps"), each a list of
-`host:port` addresses, plus which task this process is. TensorFlow reads it
-from the `TF_CONFIG` environment variable:
-
-    {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
-     "task": {"type": "worker", "index": 0}}
-
-TensorFlow's own resolver accepts malformed specs silently and fails later,
-often as a hang. `parse_tf_config` validates every field up front and names
-the one that is wrong.
+TensorFlow reads jobs of `host:port` addresses and this process's task from
+`TF_CONFIG`, e.g. `{"cluster": {"worker": ["10.0.0.1:2222",
+"10.0.0.2:2222"]}, "task": {"type": "worker", "index": 0}}`. Its resolver
+accepts malformed specs silently and fails later, often as a hang;
+`parse_tf_config` validates every field up front and names the wrong one.
 """
 
 from __future__ import annotations
@@ -52,8 +47,7 @@ class ClusterConfig:
     cluster: Mapping[str, Sequence[str]]
     task_type: str
     task_index: int
-    # Set when Slurm or MPI started this process (see `discovery`): which
-    # one, and this process's place among the workers of its host.
+    # Set when Slurm or MPI started this process (see `discovery`).
     launcher: str | None = None
     local_rank: int = 0
     local_size: int = 1
@@ -103,19 +97,11 @@ class ClusterConfig:
 
 
 def parse_tf_config(config: str | Mapping[str, Any]) -> ClusterConfig:
-    """Parses and validates a TF_CONFIG (a JSON string or a dict).
+    """Parses and validates a TF_CONFIG (JSON text or its dict).
 
-    Args:
-        config: The TF_CONFIG JSON text, or the dictionary it decodes to.
-
-    Returns:
-        A `ClusterConfig`.
-
-    Raises:
-        ValueError: If the JSON is malformed, `cluster` or `task` is missing
-            or has the wrong shape, the task type is not a job of the
-            cluster, the task index is out of range, or an address is
-            malformed or appears twice. The message quotes the bad field.
+    Raises `ValueError`, quoting the bad field, on malformed JSON, a missing
+    or misshapen `cluster` or `task`, a task type not in the cluster, an
+    index out of range, or an address malformed or repeated.
     """
     if isinstance(config, str):
         try:
@@ -215,18 +201,9 @@ def _check_address(field: str, address: object) -> None:
 def make_tf_config(
     hosts: Sequence[str], index: int, task_type: str = "worker"
 ) -> ClusterConfig:
-    """Builds the TF_CONFIG of task `index` of a cluster of workers.
+    """The validated `ClusterConfig` of task `index` of `hosts` (`host:port`).
 
-    Args:
-        hosts: The `host:port` address of every worker, in task order.
-        index: This task's index in `hosts`.
-        task_type: The job of the hosts. Defaults to `"worker"`.
-
-    Returns:
-        A validated `ClusterConfig`; `.to_json()` is the TF_CONFIG value.
-
-    Raises:
-        ValueError: As `parse_tf_config`.
+    `.to_json()` is the TF_CONFIG value; raises as `parse_tf_config`.
     """
     return parse_tf_config(
         {
@@ -239,17 +216,10 @@ def make_tf_config(
 def detect(environ: Mapping[str, str] | None = None) -> str | None:
     """Names the cluster environment present: "TF_CONFIG", "Slurm", "MPI".
 
-    A TF_CONFIG without a cluster (TensorFlow accepts `{}`) counts as none.
-
-    Args:
-        environ: The environment to look at. Defaults to `os.environ`.
-
-    Returns:
-        `"TF_CONFIG"`, `"Slurm"`, `"MPI"` or `None`. TF_CONFIG wins over
-        Slurm, and Slurm over MPI (see `discovery`).
-
-    Raises:
-        ValueError: If Slurm or MPI variables are inconsistent.
+    In that order of precedence (see `discovery`), else None; a TF_CONFIG
+    without a cluster (TensorFlow accepts `{}`) counts as none. `environ`
+    defaults to `os.environ`. Raises `ValueError` if Slurm or MPI variables
+    are inconsistent.
     """
     environ = os.environ if environ is None else environ
     text = environ.get(TF_CONFIG, "").strip()
@@ -257,8 +227,7 @@ def detect(environ: Mapping[str, str] | None = None) -> str | None:
         try:
             has_cluster = bool(json.loads(text).get("cluster"))
         except (json.JSONDecodeError, AttributeError):
-            # Malformed: report it as present, so the replicator's parse
-            # raises an error that names the bad field.
+            # Present, so the replicator's parse names the bad field.
             has_cluster = True
         if has_cluster:
             return TF_CONFIG
@@ -279,19 +248,12 @@ def has_ps_tasks(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def resolve(cluster: Any = None):
-    """Turns `cluster` (or the environment) into a TF cluster resolver.
+    """Turns `cluster` (or the environment) into `(resolver, ClusterConfig)`.
 
-    Args:
-        cluster: `None` (read TF_CONFIG, else Slurm), a TF_CONFIG JSON string
-            or dict, a `ClusterConfig`, or a
-            `tf.distribute.cluster_resolver.ClusterResolver`.
-
-    Returns:
-        A `(resolver, config)` pair; `config` is a `ClusterConfig`.
-
-    Raises:
-        ValueError: If no cluster is given or found, or it is malformed.
-        TypeError: If `cluster` has an unsupported type.
+    `cluster` is None (read TF_CONFIG, else Slurm or MPI), a TF_CONFIG
+    string or dict, a `ClusterConfig` or a TF `ClusterResolver`. Raises
+    `ValueError` if none is given or found, or it is malformed, and
+    `TypeError` for another type.
     """
     import tensorflow as tf
 
@@ -300,8 +262,7 @@ def resolve(cluster: Any = None):
         if found == TF_CONFIG:
             cluster = os.environ[TF_CONFIG]
         elif found in ("Slurm", "MPI"):
-            # Our own discovery rather than TF's SlurmClusterResolver: it
-            # needs no `scontrol` binary, and it covers MPI launches too.
+            # Not TF's SlurmClusterResolver: no `scontrol` needed, and MPI.
             launched = discovery.exchange_addresses(discovery.detect())
             config = parse_tf_config(launched.tf_config())
             config = dataclasses.replace(

@@ -1,20 +1,17 @@
 """Finds the other processes when an HPC launcher started us (MaTEx seed).
 
-An unmodified training script that calls `kr.auto()` runs under
-`mpiexec -n 4 python train.py` or `srun python train.py`: TensorFlow's own
-collectives do the math (MultiWorkerReplicator); MPI or Slurm only tell each
-process who the others are. The result is a TF_CONFIG-style cluster spec.
+A script calling `kr.auto()` runs unmodified under `mpiexec -n 4 python
+train.py` or `srun python train.py`: MPI or Slurm only tell each process
+who the others are, as a TF_CONFIG-style cluster spec.
 
 - MPI (MPICH / Intel MPI: `PMI_RANK`, `PMI_SIZE`; Open MPI:
-  `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`; PMIx: `PMIX_RANK`): every
-  rank picks a free port itself and the ranks exchange `host:port` with one
-  mpi4py allgather (the optional `keras-replicator[mpi]` extra).
+  `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`; PMIx: `PMIX_RANK`): each
+  rank picks a free port and they exchange `host:port` with one mpi4py
+  allgather (the `keras-replicator[mpi]` extra).
 - Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_STEP_NODELIST`,
-  `SLURM_STEP_TASKS_PER_NODE`, `SLURM_LOCALID`): no exchange is needed; hosts
-  come from the node list and ports from a deterministic scheme.
-
-When both are present (srun started an MPI program), Slurm's variables win:
-they need no communication.
+  `SLURM_STEP_TASKS_PER_NODE`, `SLURM_LOCALID`): hosts from the node list,
+  ports from a deterministic scheme, no exchange. Wins when both are
+  present (srun started an MPI program).
 """
 
 from __future__ import annotations
@@ -27,9 +24,9 @@ from collections.abc import Mapping
 
 from keras_replicator._src.core import env as env_names
 
-# Each Slurm task listens on PORT_BASE + (job id % 1000) * 32 + local id, so
-# two jobs sharing a node rarely collide; KERAS_REPLICATOR_PORT overrides the
-# base. 32 ports per job allows 32 tasks per node.
+# A Slurm task listens on PORT_BASE + (job id % 1000) * 32 + local id (up to
+# 32 tasks per node; jobs sharing a node rarely collide);
+# KERAS_REPLICATOR_PORT overrides the base.
 SLURM_PORT_BASE = 20000
 SLURM_PORTS_PER_JOB = 32
 PORT_ENV = env_names.PORT
@@ -47,16 +44,11 @@ _MPI_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 @dataclasses.dataclass(frozen=True)
 class Discovered:
-    """A cluster found from a launcher's environment.
+    """A cluster found from a launcher's (`"slurm"` or `"mpi"`) environment.
 
-    Attributes:
-        launcher: `"slurm"` or `"mpi"`.
-        rank: This process's index among the workers.
-        size: The number of workers.
-        local_rank: This process's index among the workers on its host.
-        local_size: The number of workers on this host.
-        workers: `host:port` of every worker, in rank order (None until the
-            MPI exchange ran; see `exchange_addresses`).
+    `rank`/`size` count workers, `local_rank`/`local_size` those on this
+    host; `workers` are their `host:port` in rank order (None until the MPI
+    `exchange_addresses`).
     """
 
     launcher: str
@@ -88,18 +80,11 @@ class Discovered:
 
 
 def detect(environ: Mapping[str, str] | None = None) -> Discovered | None:
-    """Detects a Slurm or MPI launch from environment variables.
+    """Detects a Slurm or MPI launch from `environ` (default `os.environ`).
 
-    Args:
-        environ: The environment to read. Defaults to `os.environ`.
-
-    Returns:
-        A `Discovered`, or None when no launcher (or a single process) is
-        found. For MPI, `workers` is None until `exchange_addresses` runs.
-
-    Raises:
-        ValueError: If the variables are inconsistent, for example a rank
-            that is not below the size, naming the variables.
+    Returns None without a launcher or with one process. Raises
+    `ValueError`, naming the variables, if they are inconsistent (e.g. a
+    rank not below the size).
     """
     env = os.environ if environ is None else environ
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -216,19 +201,10 @@ def _slurm_port_base(env: Mapping[str, str]) -> int:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expands a Slurm node list such as `node[01-03,07],gpu1`.
+    """Expands a Slurm node list such as `node[01-03,07],gpu1`, in order.
 
-    Zero padding is kept (`node[01-03]` gives `node01`...); several bracket
-    groups in one name expand to every combination, in order.
-
-    Args:
-        nodelist: A compressed Slurm host list.
-
-    Returns:
-        Host names in order.
-
-    Raises:
-        ValueError: If the list is malformed, naming it.
+    Zero padding is kept (`node01`...); several bracket groups in one name
+    give every combination. Raises `ValueError`, naming a malformed list.
     """
     if not nodelist or not nodelist.strip():
         raise ValueError(f"Empty Slurm node list. Received: {nodelist!r}")
@@ -281,11 +257,7 @@ def _expand_name(name: str, whole: str) -> list[str]:
 
 
 def expand_tasks_per_node(spec: str) -> list[int]:
-    """Expands `SLURM_TASKS_PER_NODE` such as `2(x3),1` to `[2, 2, 2, 1]`.
-
-    Raises:
-        ValueError: If the spec is malformed, naming it.
-    """
+    """Expands `SLURM_TASKS_PER_NODE` such as `2(x3),1` to `[2, 2, 2, 1]`."""
     counts = []
     for part in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
@@ -312,17 +284,10 @@ def _mpi_comm():
 
 
 def exchange_addresses(found: Discovered) -> Discovered:
-    """Fills in every worker's `host:port` (MPI: one allgather).
+    """Fills in `found.workers`' `host:port` (MPI: one allgather).
 
-    Each rank picks a free port on its own host. When every rank runs on
-    the same host, they talk over 127.0.0.1 only; otherwise over host names
-    (`KERAS_REPLICATOR_HOST` overrides this host's name).
-
-    Args:
-        found: What `detect` returned.
-
-    Returns:
-        A `Discovered` with `workers` set.
+    Each rank picks a free port on its host. All on one host: 127.0.0.1;
+    otherwise host names (`KERAS_REPLICATOR_HOST` overrides this one's).
     """
     if found.workers is not None:
         return found

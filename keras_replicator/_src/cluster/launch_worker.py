@@ -1,15 +1,12 @@
 """What a `kr.launch` process runs: the caller's function, once.
 
-Started by `notebook_launch.launch` as
-`python -m keras_replicator._src.cluster.launch_worker`, with `TF_CONFIG`
-set. It loads the pickled `(fn, args, kwargs)` from the file named by
-`KERAS_REPLICATOR_LAUNCH_PAYLOAD`, calls `fn(*args, **kwargs)` and writes
-`("ok", pickled value)` or `("error", pickled exception or None, traceback
-text)` to the file named by `KERAS_REPLICATOR_LAUNCH_RESULT`, atomically.
-
-The caller keeps this process's stdin open and never writes to it: when
-the caller dies (a killed notebook kernel), stdin reaches end-of-file and
-this process ends itself, so no worker outlives its caller.
+Started by `notebook_launch.launch` (`python -m
+keras_replicator._src.cluster.launch_worker`, `TF_CONFIG` set), it calls
+the pickled `(fn, args, kwargs)` in file `KERAS_REPLICATOR_LAUNCH_PAYLOAD`
+and atomically writes `("ok", pickled value)` or `("error", pickled
+exception or None, traceback text)` to file `KERAS_REPLICATOR_LAUNCH_RESULT`.
+The caller holds stdin open, unwritten: at its EOF (the caller died, e.g. a
+killed notebook kernel) this process ends itself.
 """
 
 from __future__ import annotations
@@ -30,8 +27,8 @@ _ORPHANED = 75
 
 def _end_when_caller_dies() -> None:
     def watch():
-        # The raw descriptor: a daemon thread blocked in sys.stdin's
-        # buffered reader holds its lock, a fatal error at interpreter exit.
+        # Raw fd: a daemon thread blocked in sys.stdin's buffered reader
+        # holds its lock, a fatal error at interpreter exit.
         try:
             while os.read(fd, 1024):
                 pass

@@ -1,21 +1,17 @@
 """The fastest layout on one host: one process with N replicas.
 
-N worker processes on one host exchange every gradient all-reduce over
-loopback gRPC; one process with N replicas (`kr.LocalReplicator(N)`, what
-`kr.auto()` picks without a cluster) sums them in memory. On a 16-core x86
-host, 8 CPU replicas in one process trained 1.34x faster than 8 worker
-processes (9104 vs 6792 examples/sec, the same conv net and global batch;
-`benchmarks/multi_worker_scaling.py`).
+N worker processes on one host all-reduce over loopback gRPC; one process
+with N replicas (`kr.LocalReplicator(N)`, `kr.auto()` without a cluster)
+sums in memory. On a 16-core x86 host, 8 CPU replicas in one process
+trained 1.34x faster than 8 worker processes (9104 vs 6792 examples/sec,
+same conv net and global batch; `benchmarks/multi_worker_scaling.py`).
 
-Who says so, and when: the chief of a `keras-replicator launch` (which
-starts every worker on this host), in one line, when the script builds a
-`MultiWorkerReplicator` itself (`kr.MultiWorkerReplicator()`, `kr.auto()`).
-Only the worker knows that: the launcher runs any command. Under
-`keras.distribution` (`initialize()` builds the replicator, inside
-`for_keras_distribution`) several processes can be the point, a
-`ModelParallel` mesh with one device per process, so nothing is said;
-nor under parameter servers (their processes are the design), nor by
-`kr.launch` (its workers are the test of multi-worker code it exists for).
+The chief of a `keras-replicator launch` says so in one line when the
+script builds a `MultiWorkerReplicator` itself; only the worker knows that
+(the launcher runs any command). Silent under `keras.distribution`
+(`for_keras_distribution`: a `ModelParallel` mesh of one device per process
+can be the point), parameter servers (their processes are the design) and
+`kr.launch` (its workers test multi-worker code).
 """
 
 from __future__ import annotations
@@ -44,8 +40,7 @@ _advised = False
 def for_keras_distribution():
     """While open (on this thread), a replicator built is Keras'.
 
-    `keras.distribution.initialize()` builds its process's replicator in
-    this block, so the one-process advice stays out of its runs.
+    `keras.distribution.initialize()` builds in it: no one-process advice.
     """
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
@@ -60,16 +55,10 @@ def one_process_advice(
     device_type: str,
     argv: Sequence[str],
 ) -> str:
-    """The one line advising one process with every replica.
+    """The one line advising one process with every replica, and its command.
 
-    Args:
-        workers: Worker processes on this host.
-        replicas_per_worker: Replicas each of them holds.
-        device_type: `"CPU"` or `"GPU"`.
-        argv: The script and its arguments (`sys.argv`).
-
-    Returns:
-        One line, the command to run included.
+    `workers` on this host hold `replicas_per_worker` each, of
+    `device_type` `"CPU"` or `"GPU"`; `argv` is the script's `sys.argv`.
     """
     replicas = workers * replicas_per_worker
     command = shlex.join(["python", *argv])
@@ -86,15 +75,10 @@ def one_process_advice(
 def advise_once(config, device_type: str, count: int) -> None:
     """Prints `one_process_advice` on the chief of a one-host launch.
 
-    Called by `MultiWorkerReplicator()`. Prints only in a worker that
-    `keras-replicator launch` started (`KERAS_REPLICATOR_LAUNCHED`), on the
-    chief, with at least 2 workers, outside `for_keras_distribution`, and
-    once per process.
-
-    Args:
-        config: The replicator's `ClusterConfig`.
-        device_type: `"CPU"` or `"GPU"`: what its replicas run on.
-        count: Its replicas in this process.
+    Called by `MultiWorkerReplicator()` with its `ClusterConfig`, replica
+    `device_type` and `count` here. Prints once per process, only on the
+    chief of a `keras-replicator launch` (`KERAS_REPLICATOR_LAUNCHED`) of
+    at least 2 workers, outside `for_keras_distribution`.
     """
     global _advised
     if (

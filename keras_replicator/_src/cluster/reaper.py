@@ -1,21 +1,17 @@
 """Workers die with their launcher, however the launcher dies.
 
-`keras-replicator launch` and `kr.launch` start every worker in its own
-process group, so that a Ctrl-C reaches the launcher only and ending a
-worker ends what it started. A launcher killed with SIGKILL (or
-crashing) runs no code to end them, and they would train on as orphans.
-So every launch first starts this small watcher: a child process, in a
-process group of its own (setsid), that reads a pipe from the launcher.
-The launcher names on it the process groups it starts (`+pid`) and those
-it has ended (`-pid`), and says `exit` before it closes the pipe. When
-the pipe reaches end-of-file without `exit`, the launcher is gone,
-whatever killed it: the watcher kills every group still named with
-SIGKILL, at once, and exits.
+`keras-replicator launch` and `kr.launch` start each worker in its own
+process group (Ctrl-C reaches the launcher only; ending a worker ends what
+it started). A launcher killed by SIGKILL or a crash would leave them
+training as orphans, so each launch first starts this watcher: a child in
+its own session (setsid) reading a pipe on which the launcher names the
+groups it starts (`+pid`) and ends (`-pid`), and says `exit` before
+closing it. On end-of-file without `exit` the watcher SIGKILLs every group
+still named, at once, and exits.
 
-The watcher is this file run as a script (`python -I -S`): stdlib only, no
-TensorFlow import, about 20 ms to start. It covers the worker's whole
-process group (a shell wrapper and its children too), unlike Linux's
-`PR_SET_PDEATHSIG`, which only reaches the direct child.
+It is this file run as a script (`python -I -S`): stdlib only, about 20 ms
+to start. It covers the whole process group (a shell wrapper's children
+too), unlike Linux's `PR_SET_PDEATHSIG`, which reaches the direct child.
 """
 
 from __future__ import annotations
@@ -32,9 +28,8 @@ _EXIT = "exit"
 class Reaper:
     """The launcher's end of the watcher: names the groups to kill.
 
-    Use it as a context manager; on a normal exit it says goodbye and the
-    watcher kills nothing. Writes never raise: a watcher that is gone
-    cannot help, and the launch goes on without it.
+    A context manager; a normal exit kills nothing. Writes never raise: the
+    launch goes on without a watcher that is gone.
     """
 
     def __init__(self):
@@ -45,8 +40,7 @@ class Reaper:
             [sys.executable, "-I", "-S", os.path.abspath(__file__)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
-            # Its own process group (setsid): signals to the launcher's group
-            # (Ctrl-C, `kill -- -pgid`) do not reach it.
+            # Own session: signals to the launcher's group miss it.
             start_new_session=True,
         )
 

@@ -1,13 +1,11 @@
 """Bounds how long a worker waits for its peers when the cluster starts.
 
-When a peer never comes up (it crashed, its address is wrong, a firewall
-drops its port), TensorFlow's multi-worker start-up blocks forever inside its
-C++ runtime (`context.ensure_initialized`), holding the GIL and ignoring
-SIGTERM. Nothing in this process can interrupt it, not even a Python thread,
-so a small watchdog child process does the one bounded thing left: once
-`timeout_seconds` pass without the replicator being ready, it probes every
-peer's address, prints an error naming the tasks it could not reach, and
-ends the stuck process with SIGKILL.
+When a peer never comes up (crashed, wrong address, firewalled port),
+TensorFlow's multi-worker start-up blocks forever in C++
+(`context.ensure_initialized`), holding the GIL and ignoring SIGTERM; no
+thread can interrupt it. So a watchdog child process, after
+`timeout_seconds`, probes every peer, prints the tasks it could not reach
+and SIGKILLs the stuck process.
 """
 
 from __future__ import annotations
@@ -68,15 +66,10 @@ def bounded_startup(
     me: str,
     timeout_seconds: float | None,
 ) -> Iterator[None]:
-    """Ends the process if the body has not finished within the timeout.
+    """Ends the process if the body (the start-up) outlasts `timeout_seconds`.
 
-    Args:
-        cluster: Job name -> addresses, as in TF_CONFIG.
-        me: This task's own address (not probed).
-        timeout_seconds: The bound; None disables the watchdog.
-
-    Yields:
-        Nothing; the body is the blocking start-up.
+    `cluster` maps jobs to addresses as in TF_CONFIG; `me`, this task's
+    address, is not probed. A None timeout disables the watchdog.
     """
     if timeout_seconds is None:
         yield
@@ -87,9 +80,8 @@ def bounded_startup(
     spec = json.dumps(
         [os.getpid(), deadline, timeout_seconds, dict(cluster), me]
     )
-    # Run this file as a script, not `import keras_replicator...`: importing
-    # the package would import TensorFlow into the child, which costs
-    # seconds of CPU on every worker start. The file needs only the stdlib.
+    # This file as a stdlib-only script: importing the package would import
+    # TensorFlow, seconds of CPU on every worker start.
     watchdog = subprocess.Popen(
         # -I: keep this file's folder (with our types.py) off sys.path.
         [sys.executable, "-I", os.path.abspath(__file__), spec],

@@ -1,19 +1,16 @@
 """Which transport carries the bytes between processes: gRPC or MPI.
 
-The MaTEx paper's "user-transparent" rule: a job that `mpiexec` or
-`srun --mpi` started, with mpi4py importable, exchanges its collectives
-over MPI with no change to the script; every other multi-process job
-(`keras-replicator launch`, Kubernetes' `TF_CONFIG`) keeps TensorFlow's
-gRPC collectives. `KERAS_REPLICATOR_TRANSPORT=grpc|mpi` forces either.
+The MaTEx paper's "user-transparent" rule: a job `mpiexec` or `srun --mpi`
+started, with mpi4py importable, uses MPI with no script change; others
+(`keras-replicator launch`, Kubernetes' `TF_CONFIG`) keep TensorFlow's gRPC.
+`KERAS_REPLICATOR_TRANSPORT=grpc|mpi` forces either.
 
 MPI carries one replica per process (one rank per device, as Horovod and
-MaTEx run): a process that holds several replicas sums them in
-TensorFlow's collectives first, which only its gRPC group can do, so a
-job with several replicas per process keeps gRPC and says why. Forcing
-MPI there is an error.
-
-The choice is a pure function of the environment (and of whether mpi4py
-imports), so `keras-replicator env` shows it without starting TensorFlow.
+MaTEx): several replicas per process are summed in TensorFlow's
+collectives first, which only gRPC can do, so such a job keeps gRPC and
+says why (forcing MPI is an error). The choice depends on the environment
+(and mpi4py's presence) only, so `keras-replicator env` shows it without
+TensorFlow.
 """
 
 from __future__ import annotations
@@ -34,11 +31,9 @@ ENV = env_names.TRANSPORT
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The transport of this process's collectives between processes.
+    """The transport (`name`: `"grpc"` or `"mpi"`) and the `reason` why.
 
-    Attributes:
-        name: `"grpc"` or `"mpi"`.
-        reason: Why, in a few words (shown by `env` and a run's first line).
+    `reason` is a few words, shown by `env` and a run's first line.
     """
 
     name: str
@@ -56,20 +51,10 @@ def choose(
 ) -> Choice:
     """Chooses gRPC or MPI for this process's collectives between processes.
 
-    Args:
-        environ: The environment to read. Defaults to `os.environ`.
-        replicas_per_process: The replicas this process holds (MPI carries
-            one).
-        mpi_importable: Whether mpi4py imports. Defaults to finding it.
-
-    Returns:
-        A `Choice`.
-
-    Raises:
-        ValueError: If `KERAS_REPLICATOR_TRANSPORT` is not `grpc` or `mpi`,
-            or asks for MPI where it cannot run (no MPI launch, several
-            replicas per process), naming the value.
-        ImportError: If it asks for MPI and mpi4py is missing.
+    `environ` defaults to `os.environ`, `mpi_importable` to finding mpi4py.
+    Raises `ValueError` if `KERAS_REPLICATOR_TRANSPORT` is not `grpc` or
+    `mpi`, or asks for MPI without an MPI launch or with several replicas
+    per process, and `ImportError` if it asks for MPI without mpi4py.
     """
     env = os.environ if environ is None else environ
     if mpi_importable is None:
