@@ -1,27 +1,22 @@
 """MetricReduction: logs that are exact global values on every worker.
 
 What Keras 3 (3.15, TensorFlow backend) already reduces, measured on four
-CPU replicas with a last batch split unevenly (`tests/test_metric_reduction`
+CPU replicas with an unevenly split last batch (`tests/test_metric_reduction`
 pins each point):
 
-- Metric state (`Mean`, `Accuracy`, the loss tracker, ...) lives in
-  sync-on-read variables with SUM aggregation. Read in cross-replica
-  context, as `model.get_metrics_result()` does outside `strategy.run`,
-  they give the sums over every replica (and, under a multi-worker
-  strategy, every worker), so the result is the exact global value.
-- Epoch logs and evaluate/validation logs come from exactly that read
-  (`Trainer._get_metrics_result_or_logs`): already exact and global.
-- Batch logs do not: each replica reads its *local* variables in
-  `train_step`, and Keras averages the per-replica results
-  (`reduce_per_replica`, "mean"). That is an average of averages, wrong
-  whenever replicas have seen different numbers of examples.
-- Values that callbacks add to `logs` are per process: under several
-  workers each worker has its own.
+- Metric state (`Mean`, `Accuracy`, the loss tracker, ...) is in
+  sync-on-read SUM variables; `model.get_metrics_result()` outside
+  `strategy.run` reads the sums over every replica and worker: exact.
+- Epoch and evaluate/validation logs come from that read
+  (`Trainer._get_metrics_result_or_logs`): exact and global.
+- Batch logs are not: each replica reads its *local* variables in
+  `train_step` and Keras averages them (`reduce_per_replica`, "mean"), an
+  average of averages, wrong when replicas saw different example counts.
+- Values callbacks add to `logs` are per worker.
 
-So this callback recomputes batch-level metric logs from the global metric
-state (no extra reduction of what Keras already reduced), leaves the exact
-epoch metric values alone, and averages every other log value across
-workers weighted by each worker's example count.
+So this recomputes batch metric logs from the global state, leaves epoch
+metrics alone, and averages other log values across workers, weighted by
+each worker's example count.
 """
 
 from __future__ import annotations
@@ -46,44 +41,34 @@ LOG_READERS = (
     keras.callbacks.History,
     keras.callbacks.ProgbarLogger,
 )
-# Key fingerprints stay below 2**20 so sums over workers are exact in
-# float64 (and would be in float32).
+# Key fingerprints < 2**20: sums over workers exact in float64 (and float32).
 _FINGERPRINT_MOD = 2**20
 
 
 class MetricReduction(keras.callbacks.Callback):
     """Makes every value in `logs` the exact global value, on every worker.
 
-    - Batch logs of `fit` and `evaluate` (`on_train_batch_end`,
-      `on_test_batch_end`): the model's metrics are recomputed from their
-      global state, so they are exact over all replicas and workers,
-      weighted by example counts. Keras' own batch logs average the
-      replicas' running values, which is wrong when replicas hold
-      different numbers of examples (a last partial batch).
-    - Epoch logs (`on_epoch_end`): Keras' metric values, training and
-      `val_`, are already exact and global and are left alone.
-    - Every other numeric value in `logs` (added by a custom `train_step`
-      or by callbacks earlier in the list) is averaged across workers,
-      weighted by the number of examples each worker has processed in the
-      epoch (or evaluation) so far; with one worker nothing changes.
+    - Batch logs of `fit` and `evaluate`: metrics are recomputed from their
+      global state (Keras averages the replicas' running values, wrong when
+      they hold different example counts, as in a last partial batch).
+    - Epoch logs: Keras' metrics (training and `val_`) are already exact.
+    - Other numeric values (from a custom `train_step` or earlier
+      callbacks) are averaged across workers, weighted by each worker's
+      examples so far in the epoch or evaluation.
 
-    Afterwards every worker's logs, and so its `History`, hold the same
-    values.
+    So every worker's logs, and `History`, hold the same values.
 
-    Position in the callback list: after callbacks that *add* values to
-    `logs` (e.g. `LearningRateScheduler`) and before every callback that
-    *reads* them (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`,
-    `CSVLogger`, `TensorBoard`, `TerminateOnNaN`, ...), because Keras hands
-    one `logs` dict to the callbacks in list order and this callback
-    rewrites it in place. Keras appends `History` and the progress bar at
-    the end, so they see the reduced values. At train begin the callback
-    checks its position and raises if a known log reader comes first.
+    Place it after callbacks that *add* to `logs` (e.g.
+    `LearningRateScheduler`) and before those that *read* them
+    (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`, `CSVLogger`,
+    `TensorBoard`, `TerminateOnNaN`, ...): Keras passes one `logs` dict in
+    list order and this rewrites it in place (`History` and the progress
+    bar come last). It checks this at train begin.
 
-    Every worker must produce the same log keys in the same hooks. Each
-    hook first all-reduces a fixed-size summary of its keys, so workers
-    that disagree all stop with a clear error; only then, and only if
-    there are values other than the model's metrics, does a second
-    all-reduce carry them, packed in sorted key order.
+    Every worker must log the same keys in the same hooks. Each hook first
+    all-reduces a fixed-size summary of its keys, so disagreeing workers
+    all stop with a clear error; then, only if there are non-metric
+    values, a second all-reduce carries them in sorted key order.
 
     Example:
     ```python
@@ -94,11 +79,9 @@ class MetricReduction(keras.callbacks.Callback):
     ```
 
     Raises:
-        ValueError: At train begin, if a log-reading callback comes before
-            this one in the callback list, or the list holds two
-            `MetricReduction` callbacks.
-        RuntimeError: If workers log different keys, or different numbers
-            of keys, in the same hook.
+        ValueError: At train begin, if a log-reading callback comes first,
+            or the list holds two `MetricReduction` callbacks.
+        RuntimeError: If workers log different keys in the same hook.
     """
 
     def __init__(self):
@@ -140,19 +123,16 @@ class MetricReduction(keras.callbacks.Callback):
         """Reduces what Keras did not: values other than its metrics."""
         if not logs:
             return
-        # The model's metrics now hold validation state if validation ran,
-        # so the training weights come from the last batch.
+        # Metrics may hold validation state: weigh by the last train batch's.
         keys = self._metric_keys | {"val_" + k for k in self._metric_keys}
         self._reduce_other(logs, keys, self._train_examples)
 
     def _replace_metrics(self, logs):
-        # Outside strategy.run: sync-on-read metric variables read as their
-        # global sums, so these results are exact over every replica.
+        # Outside strategy.run sync-on-read variables read as global sums.
         results = self.model.get_metrics_result()
         for key, value in results.items():
             value = np.asarray(value)
-            # Non-scalar results (e.g. per-class F1) are left as Keras made
-            # them; they are epoch-exact already.
+            # Non-scalar results (per-class F1) stay: epoch-exact already.
             if key in logs and value.ndim == 0:
                 logs[key] = float(value)
         return frozenset(results)
@@ -180,16 +160,14 @@ class MetricReduction(keras.callbacks.Callback):
             k for k in logs if k not in metric_keys and _is_number(logs[k])
         )
         weight = 1.0 if examples is None else examples
-        # First a summary of the keys whose shape never depends on them: an
-        # all-reduce of vectors of different lengths fails inside the
-        # collective ("Shape mismatch in the collective instance") and
-        # leaves the collectives of every worker unusable.
+        # First a fixed-shape key summary: an all-reduce of different lengths
+        # fails ("Shape mismatch in the collective instance") and leaves every
+        # worker's collectives unusable.
         fingerprint = zlib.crc32("\0".join(keys).encode()) % _FINGERPRINT_MOD
         summary = [fingerprint, len(keys)]
-        # With the sums of squares as well, the totals equal `workers` times
-        # this worker's values only if every worker's values are equal, so
-        # all workers pass the check or all raise; none is left waiting in
-        # the next all-reduce. Integers below 2**40 sum exactly in float64.
+        # With the squares, totals equal `workers` times ours only if all
+        # workers agree, so all pass or all raise (none waits in the next
+        # all-reduce). Integers below 2**40 sum exactly in float64.
         check = [*summary, *(v * v for v in summary)]
         total = _sum_over_workers(strategy, np.array([*check, weight]))
         if any(total[i] != value * workers for i, value in enumerate(check)):
@@ -236,8 +214,7 @@ class MetricReduction(keras.callbacks.Callback):
 
 def _enclosing_callback_list(callback):
     """The callbacks of the `CallbackList` running this hook, if any."""
-    # Keras hands callbacks no reference to their list; the list is the
-    # `self` of the frame that called this hook (CallbackList.on_train_begin).
+    # Keras gives no reference to the list: it is the calling frame's `self`.
     frame = inspect.currentframe()
     try:
         for _ in range(8):

@@ -1,24 +1,12 @@
 """SyncBatchNorm: cross-replica batch norm for a model, no code changes.
 
-The callback converts the model's `BatchNormalization` layers *in place*
-for the duration of `fit`: each layer keeps its class, config and weights,
-and only its moment computation (the private `_moments(inputs, mask)` that
-Keras' `BatchNormalization.call` calls in training mode) is replaced by the
-single-all-reduce cross-replica version of `CrossReplicaBatchNormalization`.
-
-Why in place rather than swapping in new layer objects:
-
-- The model's structure, layer names, weights, optimizer slots and any
-  references the user holds stay valid; nothing is rebuilt or copied.
-- A model saved afterwards is a plain Keras model: its layers are still
-  `keras.layers.BatchNormalization` with the user's config, so the `.keras`
-  file loads with Keras alone (no `keras_replicator` import, no custom
-  object), with the trained moving statistics.
-- It works the same for Sequential, functional and subclassed models, and
-  for BN layers nested in other layers, which cannot be swapped generically.
-
-The price is reliance on a private Keras method; `tests/test_sync_batch_norm`
-checks that Keras still calls it, so an upgrade that changes it fails loudly.
+During `fit` each `BatchNormalization` keeps class, config and weights; only
+its private `_moments(inputs, mask)` (called by `call` in training mode)
+becomes `CrossReplicaBatchNormalization`'s. In place, so structure, weights,
+optimizer slots and user references stay valid, a saved `.keras` loads
+without `keras_replicator`, and nested BN layers in any kind of model work
+(they cannot be swapped generically). The price is a private Keras method;
+`tests/test_sync_batch_norm` checks Keras still calls it.
 """
 
 from __future__ import annotations
@@ -42,24 +30,16 @@ _NO_BN_WARNING = (
 class SyncBatchNorm(keras.callbacks.Callback):
     """Makes every `BatchNormalization` of the model cross-replica in `fit`.
 
-    At train begin it converts each `keras.layers.BatchNormalization` of the
-    model, nested models and layers included, so that its training-mode
-    statistics cover the global batch of all replicas and workers (one
+    At train begin, each `keras.layers.BatchNormalization` (nested ones
+    included) takes training statistics over all replicas and workers (one
     all-reduce per layer and step, see `CrossReplicaBatchNormalization`),
-    and rebuilds the train function so the change takes effect even if the
-    model was trained before. At train end it restores the layers and drops
-    the train function, so a later `fit` without this callback is plain
-    Keras again. Inference (`evaluate`, `predict`) is unchanged: BN then
-    uses its moving statistics, which are identical on every replica.
+    and the train function is rebuilt, even if traced by an earlier fit. At
+    train end the layers are restored and the train function dropped, so a
+    later `fit` is plain Keras. Inference uses the moving statistics,
+    identical on every replica. The model saves and loads as plain Keras.
 
-    The layers keep their class and config, so the trained model saves and
-    loads as a plain Keras model.
-
-    Position in the callback list: anywhere. It only acts at train begin
-    and train end and does not read or write `logs`.
-
-    On a model without any `BatchNormalization` it warns once (per callback
-    instance) and does nothing.
+    Any position in the callback list (it never touches `logs`). Without
+    any BN layer it warns once per instance and does nothing.
 
     Example:
     ```python
@@ -101,20 +81,17 @@ class SyncBatchNorm(keras.callbacks.Callback):
             if isinstance(layer, crbn.CrossReplicaBatchNormalization):
                 continue  # Already cross-replica.
             if "_moments" in vars(layer):
-                # Converted already: by another SyncBatchNorm in this fit, or
-                # by one whose fit raised (Keras then skips on_train_end).
-                # Adopt it, so this callback's on_train_end restores it.
+                # Converted by another SyncBatchNorm, maybe one whose fit raised
+                # (Keras skips on_train_end): adopt it, to restore it later.
                 self._converted.append(layer)
                 continue
-            # object.__setattr__: an instance attribute Keras' attribute
-            # tracking neither sees nor serializes.
+            # An instance attribute Keras' tracking neither sees nor saves.
             object.__setattr__(
                 layer, "_moments", functools.partial(crbn.sync_moments, layer)
             )
             self._converted.append(layer)
         if self._converted:
-            # fit() made the train function before on_train_begin; it may
-            # even be traced already (an earlier fit). Trace it anew.
+            # fit() made (maybe traced) the train function already: remake.
             self.model.make_train_function(force=True)
 
     def on_train_end(self, logs=None):
@@ -130,13 +107,9 @@ class SyncBatchNorm(keras.callbacks.Callback):
 
 
 def batch_norm_layers(model: keras.layers.Layer) -> list:
-    """Every `BatchNormalization` in `model`, nested ones included, once.
+    """Every `BatchNormalization` in a model or layer, nested ones, once.
 
-    Args:
-        model: A Keras model or layer.
-
-    Returns:
-        The BN layers in Keras' depth-first tracking order.
+    In Keras' depth-first tracking order.
     """
     return [
         layer

@@ -1,41 +1,31 @@
 """A timeline of every process's steps: one trace for Chrome or Perfetto.
 
-`kr.callbacks.Timeline("trace.json")` in a `fit`'s callbacks, or
-`KERAS_REPLICATOR_TIMELINE=trace.json` in the environment of every process
-(which adds one to each `fit` under a replicator), writes one trace of
-every process that `chrome://tracing` and https://ui.perfetto.dev open.
-Each process is a row group (`worker k`) with three rows:
+`kr.callbacks.Timeline("trace.json")` in `fit`'s callbacks, or
+`KERAS_REPLICATOR_TIMELINE=trace.json` in every process's environment (adds
+one to each `fit` under a replicator), writes one trace of every process for
+`chrome://tracing` or https://ui.perfetto.dev. Each process (`worker k`) has
+three rows:
 
-- `step`: each train batch, from its start to its end (compute, the
-  collectives in it, and the wait for its input, which the step's graph
-  holds);
-- `collective`: each collective between replicas, named by its kind
-  (`all-reduce`, `all-gather`, `all-to-all`), with its op, its bytes and
-  `wait_us`, the time this process waited for the last of its peers to
-  arrive (the latest arrival of the same op, less its own);
+- `step`: each train batch, start to end (compute, its collectives, and
+  the wait for its input, which the step's graph holds);
+- `collective`: each collective by kind (`all-reduce`, `all-gather`,
+  `all-to-all`), with its op, bytes and `wait_us`: the latest arrival of
+  the same op on any process, less this one's;
 - `save`: each `BackupAndRestore` save and restore, and each sharded
   checkpoint's save (the part in the step's thread) and load.
 
-At the end of the `fit` process 0 merges the processes' parts and prints
-one line: the slowest process (the most compute a step: the others wait
-for it) and what it waited on most.
-
-Decisions:
-- Over several processes each writes `<path>.process-<k>.json` and
-  process 0 merges them into `path`, so `path` must be on storage every
-  process sees (one host's disk, or a shared file system), as sharded
-  checkpoints' directories are. Process 0 waits `PART_SECONDS` for the
-  parts, then merges what it has and names what is missing.
-- Collectives over MPI are timed by the transport's own calls. Over gRPC,
-  TensorFlow's collectives run inside the step's graph: the timeline puts
-  a marker before and after each when the step is traced while it
-  records (one `tf.numpy_function` each, so a step traced then runs them
-  at every call; they record nothing once it stops). A step traced
-  before the timeline started has no markers, and its collectives are not
-  in the trace. Collectives in an XLA-compiled function are not timed.
-- Times are the wall clock's, so processes on one host line up. Across
-  hosts they are as good as the hosts' clocks agree: a wait shorter than
-  the skew is not to be believed.
+After `fit`, process 0 merges the parts and prints the slowest process (most
+compute a step: the others wait for it) and what it waited on most. Notes:
+- With several processes each writes `<path>.process-<k>.json` and process
+  0 merges them into `path`, so `path` must be on storage all processes
+  see, like sharded checkpoint directories. Process 0 waits `PART_SECONDS`,
+  then merges what it has and names what is missing.
+- MPI collectives are timed by the transport. gRPC ones run in the step's
+  graph: steps traced while recording get a `tf.py_function` marker before
+  and after each (run at every call, recording nothing once stopped);
+  steps traced earlier, or XLA-compiled, are not timed.
+- Times are wall-clock: processes on one host line up; across hosts, waits
+  shorter than the clock skew are not to be believed.
 """
 
 from __future__ import annotations
@@ -66,8 +56,8 @@ class Timeline(keras.callbacks.Callback):
     """Writes one trace of every process's steps, collectives and saves.
 
     Args:
-        path: The trace file (JSON, Chrome's trace event format). Over
-            several processes, a path every process sees.
+        path: The trace file (JSON, Chrome's trace event format), on storage
+            every process sees.
 
     Example:
     ```python
@@ -116,9 +106,8 @@ class Timeline(keras.callbacks.Callback):
     def release(self) -> list[dict]:
         """Stops recording and puts the collectives' launchers back.
 
-        `on_train_end` calls it; so does `fit` when it raises (Keras calls
-        no callback then), so that a failed `fit` leaves no markers in the
-        collectives traced after it and records nothing more.
+        Called by `on_train_end`, and by `fit` when it raises (Keras calls
+        no callback then) so later traces get no markers.
 
         Returns:
             The events recorded since `on_train_begin`.
@@ -186,16 +175,11 @@ def _say(line: str) -> None:
 
 
 def merge(parts: dict[int, list[dict]]) -> dict:
-    """One trace of every process's events, with each collective's wait.
+    """Merges `{process: events}` into one trace, with each collective's wait.
 
-    Args:
-        parts: `{process: events}`.
-
-    Returns:
-        The trace: `{"traceEvents": [...], "displayTimeUnit": "ms"}`.
+    Returns `{"traceEvents": [...], "displayTimeUnit": "ms"}`.
     """
-    # The same op's n-th call on every process is one collective: its wait
-    # on a process is the latest arrival less that process's own.
+    # The same op's n-th call on every process is one collective.
     arrivals: dict[tuple, list[float]] = collections.defaultdict(list)
     keyed = []
     for k, events in sorted(parts.items()):
@@ -229,9 +213,8 @@ def _meta(what, pid, tid, **args) -> dict:
 def summary(trace: dict, path: str) -> str:
     """The line that names the slowest process and what it waited on.
 
-    Per process and step: the step's time outside the collectives inside
-    it (its compute), and each collective's wait. The slowest process has
-    the most compute at the median step: the others wait for it.
+    Compute is a step's time outside its collectives; the slowest process
+    has the most median compute (the others wait for it).
     """
     by_process = collections.defaultdict(list)
     for event in trace["traceEvents"]:
@@ -291,8 +274,7 @@ def summary(trace: dict, path: str) -> str:
 def _time_launchers(strategy) -> list:
     """Puts markers around gRPC collectives traced from now on.
 
-    Returns:
-        `[(ops, launchers)]` to put back at the end.
+    Returns `[(ops, launchers)]` to put back at the end.
     """
     wrapped = []
     extended = strategy.extended
@@ -318,8 +300,8 @@ def _timeable(launcher) -> bool:
 class TimedLauncher:
     """A `CollectiveReplicaLauncher` whose collectives carry markers.
 
-    Every other attribute is the wrapped launcher's (`collectives.py`
-    reads its keys and ordering token).
+    Other attributes are the wrapped one's (`collectives.py` reads its keys
+    and ordering token).
     """
 
     def __init__(self, launcher):
@@ -377,12 +359,11 @@ def _probe(tensor) -> tf.Tensor:
 def _timed(kind, tensors, call):
     """`call(tensors)` between a marker of arrival and one of its end.
 
-    The markers are `tf.py_function`s (stateful, so no optimization drops
-    them) that take a resource of their own: TensorFlow orders every
-    stateful op without a resource input in program order, which would
-    put one replica's markers after another replica's collective, and the
-    replicas would wait for each other forever. With a resource, a marker
-    is ordered only with the other marker of its collective.
+    Markers are `tf.py_function`s (stateful: never optimized away) with a
+    resource of their own: TF orders stateful ops without a resource input
+    in program order, which would put one replica's markers after another's
+    collective and deadlock the replicas. With a resource, a marker is
+    ordered only with its collective's other marker.
     """
     if tf.executing_eagerly() or not tensors:
         return call(tensors)

@@ -1,10 +1,9 @@
 """LinearWarmup: the gradual warm-up of the linear scaling rule.
 
 Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in
-1 Hour" (arXiv 1706.02677): when the global batch grows k times, multiply
-the learning rate by k (the linear scaling rule), and reach that rate
-gradually: start from the single-worker rate and raise it by the same
-amount at every iteration until, after 5 epochs, it is k times larger.
+1 Hour" (arXiv 1706.02677): when the global batch grows k times, multiply the
+learning rate by k, reached by raising the single-worker rate by the same
+amount every iteration for 5 epochs.
 """
 
 from __future__ import annotations
@@ -21,28 +20,22 @@ _TARGET_ATTR = "_keras_replicator_warmup_target"
 class LinearWarmup(keras.callbacks.Callback):
     """Linear learning-rate warm-up to the scaled rate (Goyal et al. 2017).
 
-    Compile the model with the *scaled* learning rate, the single-replica
-    rate times `scale` (by default the number of replicas in sync, as the
-    linear scaling rule asks when the global batch is that many times the
-    single-replica batch). This callback then starts training at
-    `target / scale` and raises the rate linearly per step, reaching the
-    target after `warmup_epochs` epochs (or `warmup_steps` steps):
+    Compile with the *scaled* rate (single-replica rate times `scale`, by
+    default the replicas in sync, per the linear scaling rule). Training
+    starts at `target / scale` and rises linearly per step to the target
+    after `warmup_epochs` epochs (or `warmup_steps` steps):
 
         lr(t) = target * (1/scale + (1 - 1/scale) * t / W)   for t < W
         lr(t) = target                                       for t >= W
 
-    where `t` is the 0-based global step (`epoch * steps_per_epoch +
-    batch`), `W` the number of warm-up steps and `target` the optimizer's
-    learning rate at train begin. After the warm-up it leaves the rate
-    alone, so later schedules (e.g. `ReduceLROnPlateau`) take over. At
-    train end it restores `target`, so a later `fit` (say with
-    `initial_epoch`) warms up from the same target.
-
-    With `steps_per_execution = s`, Keras calls the batch hooks once per
-    `s` steps, and all `s` steps use the rate of the first.
-
-    Position in the callback list: before callbacks that change the
-    learning rate after the warm-up (`ReduceLROnPlateau`, schedulers).
+    with `t` the 0-based global step (`epoch * steps_per_epoch + batch`), `W`
+    the warm-up steps and `target` the optimizer's rate at train begin.
+    Afterwards the rate is left to later schedules (`ReduceLROnPlateau`);
+    train end restores `target`, so a later `fit` (say with
+    `initial_epoch`) warms up to the same target. With
+    `steps_per_execution = s`, Keras calls batch hooks every `s` steps, which
+    all use the first one's rate. Put it before callbacks that change the
+    rate after the warm-up.
 
     Example:
     ```python
@@ -56,13 +49,13 @@ class LinearWarmup(keras.callbacks.Callback):
     ```
 
     Args:
-        warmup_epochs: Epochs of warm-up (may be fractional). Defaults to 5,
-            as in the paper. Ignored when `warmup_steps` is given.
-        scale: The factor k between the target rate and the starting rate.
-            Defaults to the model's `distribute_strategy.num_replicas_in_sync`.
-        warmup_steps: Steps of warm-up; needed when `fit` does not know the
-            number of steps per epoch (a dataset of unknown length without
-            `steps_per_epoch`).
+        warmup_epochs: Warm-up epochs (may be fractional); ignored with
+            `warmup_steps`. Defaults to 5, as in the paper.
+        scale: The factor k from starting to target rate. Defaults to the
+            model's `distribute_strategy.num_replicas_in_sync`.
+        warmup_steps: Warm-up steps; needed when `fit` does not know the
+            steps per epoch (unknown length, no `steps_per_epoch`).
+            Defaults to None.
 
     Raises:
         ValueError: If an argument is not positive, or `scale < 1`.
@@ -99,13 +92,13 @@ class LinearWarmup(keras.callbacks.Callback):
         self._seen = 0
 
     def learning_rate(self, step: int) -> float:
-        """The warm-up rate at 0-based global `step`.
+        """The warm-up rate at 0-based global `step` (counted from epoch 0).
 
         Args:
-            step: The global step, counted from epoch 0.
+            step: The global step.
 
         Returns:
-            The learning rate. Valid once training has begun.
+            The learning rate; valid once training has begun.
         """
         if step >= self._total:
             return self._target
@@ -125,9 +118,8 @@ class LinearWarmup(keras.callbacks.Callback):
                 f"{optimizer._learning_rate!r}"
             )
         # Keras skips on_train_end when fit raises or is interrupted (Ctrl-C
-        # in a notebook), which would leave a warm-up rate in the optimizer
-        # for the next fit to mistake for the target. So the target lives on
-        # the optimizer until a warm-up ends cleanly.
+        # in a notebook); the next fit would take the warm-up rate for the
+        # target. So the target lives on the optimizer until a clean end.
         target = getattr(optimizer, _TARGET_ATTR, None)
         if target is None:
             target = float(keras.ops.convert_to_numpy(optimizer.learning_rate))

@@ -1,28 +1,19 @@
 """Batch normalization over the global batch of all replicas and workers.
 
-TF-Replicator's paper credits global batch norm for scaling BigGAN: with
-small per-replica batches, per-replica statistics are too noisy. Keras 3's
-`BatchNormalization(synchronized=True)` (TensorFlow only) issues three
-all-reduces per layer (sum, sum of squares, count) and computes the
-variance as E[x^2] - E[x]^2. This module issues ONE all-reduce per layer
-and step, of the packed vector [sum, sum of squares, count], and shifts the
-data first so the variance keeps its precision.
+TF-Replicator's paper credits global BN for scaling BigGAN (small per-replica
+batches give noisy statistics). Keras 3's `synchronized=True` (TensorFlow
+only) issues three all-reduces per layer (sum, sum of squares, count) and
+computes E[x^2] - E[x]^2; this issues ONE per layer and step, of the packed
+[sum, sum of squares, count], around a shift.
 
-Numerics. E[x^2] - E[x]^2 cancels catastrophically when the mean is large
-against the spread: float32 data with mean 1e4 and standard deviation 1
-gives a variance error of several units. Computing the two sums around a
-shift K, S1 = sum(x - K) and S2 = sum((x - K)^2), and then
-var = S2/n - (S1/n)^2, loses only about (mean - K)^2 / var times the
-float32 epsilon. The best K needs no communication and is identical on
-every replica: the layer's moving mean (a mirrored variable). At
-initialisation it is 0, which is the plain formula; as training goes on it
-approaches the data mean. Inputs of low precision (float16, bfloat16) are
-moments in float32 (Keras' layer already casts them; we cast again for
-direct callers). The variance is clamped at 0.
-
-Exactness with unequal batches: each replica contributes its own example
-count, so a last batch split 3/1/0/0 over four replicas gives the moments
-of those four examples, not an average of per-replica moments.
+E[x^2] - E[x]^2 cancels catastrophically when the mean is large against the
+spread (float32, mean 1e4, std 1: a variance error of several units). With
+S1 = sum(x - K), S2 = sum((x - K)^2), var = S2/n - (S1/n)^2 loses only about
+(mean - K)^2 / var times the float32 epsilon. K is the moving mean (mirrored:
+identical everywhere, no communication), 0 at first, then near the data
+mean. float16/bfloat16 are reduced in float32 (Keras casts already; we cast
+again for direct callers). Each replica sends its own example count, so a
+last batch split 3/1/0/0 gives those four examples' moments.
 """
 
 from __future__ import annotations
@@ -40,27 +31,15 @@ _LOW_PRECISION = (tf.float16, tf.bfloat16)
 def cross_replica_moments(x, reduction_axes, axis, mask=None, shift=None):
     """Mean and variance of `x` over the global batch, with one all-reduce.
 
-    In a replica context with more than one replica in sync (inside
-    `strategy.run`, or a Keras `train_step` under a replicator), the
-    statistics cover every replica of every worker. Anywhere else (no
-    strategy, cross-replica context, one replica) they are local, with the
-    same formula. Every replica must call it at the same point of the step,
-    as with any collective.
-
-    Args:
-        x: The input tensor.
-        reduction_axes: The axes to reduce, all but `axis`.
-        axis: The feature axis (an int; negative counts from the end).
-        mask: Optional mask of shape `x.shape[:-1]`, True where an example
-            (position) counts, as Keras' `BatchNormalization` takes it.
-        shift: Optional tensor of shape `[x.shape[axis]]`, the same on every
-            replica, subtracted before summing for precision (no gradient
-            flows through it). Defaults to zeros.
-
-    Returns:
-        `(mean, variance)`, each of shape `[x.shape[axis]]`, in float32 for
-        float16/bfloat16 inputs and in `x.dtype` otherwise. The variance is
-        the biased (population) variance, clamped at 0.
+    In a replica context with more than one replica in sync, over every
+    replica of every worker (so all replicas must call it at the same point
+    of the step); elsewhere local, by the same formula. `reduction_axes` are
+    all but the feature `axis` (an int, negative from the end). `mask`
+    (shape `x.shape[:-1]`, True where a position counts) is as Keras' BN
+    takes it. `shift` (`[channels]`, equal on all replicas, no gradient;
+    default zeros) is subtracted before summing. Returns `(mean, variance)`
+    of shape `[channels]`, float32 for float16/bfloat16 inputs, else
+    `x.dtype`; the biased variance, clamped at 0.
     """
     x = tf.convert_to_tensor(x)
     if x.dtype in _LOW_PRECISION:
@@ -99,8 +78,7 @@ def cross_replica_moments(x, reduction_axes, axis, mask=None, shift=None):
     )
     mean_centered = tf.math.divide_no_nan(s1, count)
     variance = tf.math.divide_no_nan(s2, count) - tf.square(mean_centered)
-    # Rounding can leave a tiny negative variance; sqrt(var + eps) of it
-    # would still be defined, but a negative moving variance is not.
+    # Rounding can leave a tiny negative variance: bad as a moving variance.
     variance = tf.maximum(variance, 0.0)
     return shift + mean_centered, variance
 
@@ -109,23 +87,16 @@ def cross_replica_moments(x, reduction_axes, axis, mask=None, shift=None):
 class CrossReplicaBatchNormalization(keras.layers.BatchNormalization):
     """Batch normalization with statistics over the global batch.
 
-    A `keras.layers.BatchNormalization` whose training-mode statistics
-    cover the whole global batch: every replica of every worker in sync.
-    Each layer issues one all-reduce per step, of [sum, sum of squares,
-    count], so the statistics are exact when replicas hold different
-    numbers of examples, and every replica computes the same mean and
-    variance and so keeps the same moving statistics. Sums are taken around
-    the moving mean for precision (see the module docstring); low-precision
-    inputs are reduced in float32.
+    Training-mode statistics cover every replica of every worker, in one
+    all-reduce per layer and step of [sum, sum of squares, count]: exact
+    when replicas hold different numbers of examples, and identical moving
+    statistics everywhere. Sums are taken around the moving mean (see the
+    module docstring); low-precision inputs are reduced in float32.
 
-    Outside a replicator, in a cross-replica context, with one replica, or
-    at inference (`training=False`, `evaluate`, `predict`) it behaves
-    exactly like `keras.layers.BatchNormalization`. It works under
-    `model.fit` with any `steps_per_execution`.
-
-    To turn the BN layers of an existing model into cross-replica ones
-    without changing its code, use `keras_replicator.callbacks.SyncBatchNorm`
-    instead.
+    Outside a replicator, in cross-replica context, with one replica or at
+    inference it is exactly `keras.layers.BatchNormalization`. Works with
+    any `steps_per_execution`. For an existing model's BN layers, use
+    `keras_replicator.callbacks.SyncBatchNorm` instead.
 
     Example:
     ```python
@@ -142,11 +113,10 @@ class CrossReplicaBatchNormalization(keras.layers.BatchNormalization):
     ```
 
     Args:
-        **kwargs: The arguments of `keras.layers.BatchNormalization`
-            (`axis=-1`, `momentum=0.99`, `epsilon=1e-3`, `center`, `scale`,
+        **kwargs: `keras.layers.BatchNormalization`'s arguments (`axis=-1`,
+            `momentum=0.99`, `epsilon=1e-3`, `center`, `scale`,
             initializers, regularizers, constraints, `renorm...`), except
-            `synchronized`: this layer always synchronizes, with its own
-            single all-reduce.
+            `synchronized`: this layer always synchronizes.
 
     Raises:
         ValueError: If `synchronized=True` is passed.
@@ -168,16 +138,9 @@ class CrossReplicaBatchNormalization(keras.layers.BatchNormalization):
 def sync_moments(layer, inputs, mask):
     """Keras `BatchNormalization._moments`, over the global batch.
 
-    Keras' `BatchNormalization.call` calls `self._moments(inputs, mask)` in
-    training mode and expects `(mean, variance)` of shape `[channels]`.
-
-    Args:
-        layer: A built `keras.layers.BatchNormalization`.
-        inputs: The layer's (float32 or wider) inputs.
-        mask: Its mask, or None.
-
-    Returns:
-        `(mean, variance)` in `inputs.dtype`.
+    Keras' `call` uses `self._moments(inputs, mask)` in training mode for
+    `(mean, variance)` of shape `[channels]`; `layer` is built, `inputs`
+    float32 or wider, and the result is in `inputs.dtype`.
     """
     mean, variance = cross_replica_moments(
         inputs,
@@ -192,23 +155,18 @@ def sync_moments(layer, inputs, mask):
 def global_statistics_due(layer) -> bool:
     """Whether `layer` normalizes by the global batch, traced now.
 
-    What `patches/batch_statistics.py` asks of every Keras
-    `BatchNormalization` in training mode. Decided when the step is traced:
+    Asked by `patches/batch_statistics.py` of every training-mode Keras BN:
 
-    - under a `keras.distribution`'s replicator: yes, as on JAX, where one
-      program runs over the whole mesh;
-    - under a replicator with `sync_batch_norm=True` (the default), in a
-      step of one device's convention (a Keras step, `replicate`): yes,
-      so that single-device code gets one device's numbers;
-    - in the user's own `strategy.run`, under `sync_batch_norm=False`,
-      under any other strategy, with one replica, and outside a strategy:
-      no, Keras' own per-replica statistics (stock `MirroredStrategy`'s);
-    - a layer made with `synchronized=True` keeps Keras' own synchronized
-      moments.
+    - under a `keras.distribution`'s replicator: yes, as JAX's one program
+      over the mesh;
+    - under a replicator with `sync_batch_norm=True` (default), in a step
+      of one device's convention (Keras step, `replicate`): yes;
+    - in the user's own `strategy.run`, with `sync_batch_norm=False`, other
+      strategies, one replica, no strategy: no (stock per-replica stats);
+    - `synchronized=True` layers keep Keras' own synchronized moments.
 
-    The rule is the gradient convention's (`gradients.one_device_convention`):
-    code written for one device gets one device's statistics; code written
-    for tf.distribute keeps tf.distribute's.
+    As with gradients (`gradients.one_device_convention`), one-device code
+    gets one device's statistics, tf.distribute code keeps tf.distribute's.
     """
     if getattr(layer, "synchronized", False):
         return False

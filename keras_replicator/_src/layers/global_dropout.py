@@ -2,20 +2,16 @@
 
 Keras' `Dropout` draws its mask from the layer's seed generator with a
 stateless op. Under `tf.distribute` every replica holds the same seed, so
-every replica draws the same mask for its own slice: the global batch's
-mask is one slice's mask repeated, neither one device's numbers nor
-independent draws (stock `MirroredStrategy` does exactly this). On JAX,
-`keras.distribution` runs one program over the whole mesh and draws the
-global batch's mask once, which is one device's mask.
+the global mask is one slice's mask repeated, neither one device's numbers
+nor independent draws (as stock `MirroredStrategy`). On JAX,
+`keras.distribution` draws the global batch's mask once: one device's mask.
 
-`use_global_masks(model)` gives a model's `Dropout` layers that meaning
-under `keras.distribution`: each replica learns every replica's number of
-rows (one all-gather of a scalar per layer and step), draws the mask of
-the whole global batch from the same seed (the seed generator advances
-once, as on one device) and keeps the rows of its slice. That is one
-device's mask for any split, a partial last batch included. The cost is
-the random numbers of the global batch on every replica: a transient of
-the global batch's mask, N times the slice's.
+`use_global_masks(model)` does that under `keras.distribution`: each replica
+all-gathers the replicas' row counts (one scalar per layer and step), draws
+the global batch's mask from the same seed (advancing once, as on one
+device) and keeps its slice's rows: one device's mask for any split, a
+partial last batch included. Cost: a transient global mask on every
+replica, N times the slice's.
 """
 
 from __future__ import annotations
@@ -39,8 +35,8 @@ def _global_call(layer, inputs, training=False):
         or ctx.num_replicas_in_sync == 1
         or not in_place.under_distribution()
         or rank is None
-        # Broadcast from the right without the batch axis, or one mask for
-        # every example: the same on every replica as on one device.
+        # No batch axis in noise_shape, or one mask for every example: same
+        # on every replica as on one device.
         or (noise is not None and (len(noise) != rank or noise[0] == 1))
     ):
         return type(layer).call(layer, inputs, training=training)
@@ -68,17 +64,9 @@ def _global_call(layer, inputs, training=False):
 def use_global_masks(model) -> bool:
     """Makes `model`'s `Dropout` layers draw global masks under a distribution.
 
-    From now on, traced under a `keras.distribution`, they draw the global
-    batch's mask. Anywhere else the layer draws as stock Keras does.
-    Subclasses of `Dropout` with a `call` of their own (`SpatialDropout*`)
-    are left as they are.
-
-    Args:
-        model: A Keras model.
-
-    Returns:
-        Whether a layer was changed now (the train function must be traced
-        anew).
+    Elsewhere they draw as stock Keras. Subclasses with their own `call`
+    (`SpatialDropout*`) are left alone. Returns whether a layer changed now
+    (then the train function must be retraced).
     """
     layers = [
         layer

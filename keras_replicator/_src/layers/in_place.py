@@ -1,13 +1,10 @@
 """Layers that compute as JAX does under `keras.distribution`, in place.
 
 `fit` under `keras.distribution` computes some layers over the whole mesh,
-as JAX's one program does (`BatchNormalization`'s moments, `Dropout`'s
-masks), without changing the model the user holds: each such layer gets
-an instance attribute that shadows one method. The override decides
-while the step is traced: under the replicator of a `keras.distribution`
-it computes over the global batch, anywhere else it is the stock method.
-So it stays installed: the model's train function is traced anew only
-when an override is added, not at every `fit`.
+as JAX's one program does (BN moments, `Dropout` masks), without changing
+the user's model: an instance attribute shadows one method. It decides when
+traced (global under a `keras.distribution`'s replicator, else stock), so it
+stays installed; the train function is retraced only when one is added.
 """
 
 from __future__ import annotations
@@ -31,17 +28,9 @@ def under_distribution() -> bool:
 def install(layers: Sequence[Any], name: str, function: Callable) -> bool:
     """Sets `layer.<name> = functools.partial(function, layer)` where unset.
 
-    An instance attribute, which Keras' tracking neither sees nor saves.
-
-    Args:
-        layers: The layers.
-        name: The method's name.
-        function: `function(layer, *args, **kwargs)`; it calls the stock
-            method itself where it does not apply.
-
-    Returns:
-        Whether any layer got the override now (its model's train function
-        must then be traced anew).
+    Keras' tracking neither sees nor saves it. `function(layer, *args,
+    **kwargs)` calls the stock method itself where it does not apply.
+    Returns whether any layer got it now (then retrace the train function).
     """
     added = False
     for layer in layers:

@@ -1,11 +1,10 @@
 """The input of `model.fit`/`evaluate` under an AsyncReplicator.
 
-Asynchronous steps pull batches from a dataset built on every worker
-(`ClusterCoordinator.create_per_worker_dataset`) and iterated forever: a
-step goes to whichever worker is free, so no epoch boundary exists on the
-workers and `steps_per_epoch` decides how long an epoch is. `Source` turns
-what the user passed to `fit` into such a dataset, and into a finite local
-dataset for exact evaluation and prediction on the coordinator.
+Steps pull batches from per-worker datasets
+(`ClusterCoordinator.create_per_worker_dataset`) iterated forever: steps go
+to any free worker, so `steps_per_epoch`, not the data, ends an epoch.
+`Source` also gives a finite local dataset for exact evaluation and
+prediction on the coordinator.
 """
 
 from __future__ import annotations
@@ -25,18 +24,11 @@ _DEFAULT_BATCH_SIZE = 32
 class Source:
     """What `fit`/`evaluate` received, ready for workers or the coordinator.
 
-    Args:
-        x: A `tf.data.Dataset` of batches, an `input_fn(ctx)` returning one,
-            or arrays (a NumPy array, or a list/dict of them).
-        y: Targets, only with arrays.
-        batch_size: Batch of one step, only with arrays. Defaults to 32.
-        sample_weight: Sample weights, only with arrays.
-        shuffle: Shuffle arrays (differently on every worker) for training.
-
-    Raises:
-        ValueError: If `x` is missing or a distributed dataset, or `y`,
-            `batch_size` or `sample_weight` is given with a dataset or an
-            `input_fn`.
+    `x` is a `tf.data.Dataset` of batches, an `input_fn(ctx)` returning one,
+    or arrays (NumPy, or a list/dict of them); `y`, `sample_weight` and
+    `batch_size` (one step's, default 32) go only with arrays, else
+    ValueError, as for a missing `x` or a distributed dataset. `shuffle`
+    shuffles arrays, differently on every worker.
     """
 
     def __init__(
@@ -50,8 +42,7 @@ class Source:
             )
         self.dataset = self.input_fn = self.arrays = self.examples = None
         if isinstance(x, dataset_sharder.ShardedInput):
-            # `kr.data.shard(...)`: the same examples and options, with the
-            # parameter-server meaning of the batch (worker_shards.py).
+            # `kr.data.shard(...)`, with the ps meaning of the batch.
             x = worker_shards.WorkerShardedInput.from_sharded_input(x)
         if isinstance(x, worker_shards.WorkerShardedInput):
             _check_none_with(
@@ -107,14 +98,10 @@ class Source:
         )
 
     def per_worker_dataset(self, replicator):
-        """A dataset on every worker, repeated forever.
+        """A dataset on every worker of `replicator`, repeated forever.
 
-        Args:
-            replicator: The `AsyncReplicator`.
-
-        Returns:
-            What `ClusterCoordinator.create_per_worker_dataset` returns;
-            `iter()` of it is the argument of the scheduled steps.
+        Returns `ClusterCoordinator.create_per_worker_dataset`'s result, whose
+        `iter()` the scheduled steps take.
         """
         coordinator = replicator.coordinator
         if self.examples is not None:
@@ -127,8 +114,7 @@ class Source:
         if self.input_fn is not None:
 
             def dataset_fn(ctx):
-                # Repeat: a worker that runs out fails its step; steps are
-                # counted by the coordinator, not by the data.
+                # A worker running out fails its step; the coordinator counts.
                 return self._call_input_fn(ctx).repeat()
 
             return coordinator.create_per_worker_dataset(
@@ -145,8 +131,7 @@ class Source:
                 self.batch_size, drop_remainder=True
             )
         with warnings.catch_warnings():
-            # Serializing the dataset for the workers warns that tf.data
-            # options now travel in the graph; that is what we want.
+            # Serializing warns that tf.data options travel in the graph: fine.
             warnings.filterwarnings(
                 "ignore", "To make it possible to preserve tf.data options"
             )

@@ -1,8 +1,8 @@
 """Parameter-server failures under AsyncReplicator, named as such.
 
-TensorFlow reports a dead parameter server as an `UnavailableError` deep in
-a gRPC message, or sometimes as an error that names no task at all; these
-helpers turn both into a `ParameterServerError` that names the server.
+TF reports a dead parameter server as an `UnavailableError` deep in a gRPC
+message, or as an error naming no task; both become a `ParameterServerError`
+naming the server.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class ParameterServerError(RuntimeError):
     """A parameter server died: its variables are gone, training stopped.
 
     Raised by `model.fit`/`evaluate` and replicated steps under
-    `AsyncReplicator`; the message names the server and says to restart
-    the cluster from the last checkpoint.
+    `AsyncReplicator`; the message names the server and the fix (restart
+    from the last checkpoint).
     """
 
 
@@ -40,14 +40,8 @@ def clear_ps_errors(
 ) -> Iterator[None]:
     """Turns a parameter-server failure into a `ParameterServerError`.
 
-    TensorFlow reports it as an `UnavailableError` deep in a gRPC message;
-    the variables on that server are lost, so no retry can help.
-
-    Args:
-        config: The cluster, to name the dead server's address.
-
-    Raises:
-        ParameterServerError: If a parameter server is unreachable.
+    The server's variables are lost, so no retry can help. `config`, if
+    given, names the dead server's address.
     """
     try:
         yield
@@ -58,8 +52,8 @@ def clear_ps_errors(
             if match and config is not None:
                 task += f" ({config.cluster['ps'][int(match.group(1))]})"
         elif isinstance(e, _MAYBE_PS_FAILURE) and config is not None:
-            # A dead server does not always say so: a run here got an
-            # OutOfRangeError that named no task. Ask the servers.
+            # A dead server may surface as e.g. an OutOfRangeError naming no
+            # task (seen here). Ask the servers.
             task = _unreachable_ps(config)
             if task is None:
                 raise
@@ -75,21 +69,11 @@ def clear_ps_errors(
 
 
 def fetch_logs(result) -> dict:
-    """Fetches a step's outputs as Python logs, tolerating a lost worker.
+    """Fetches a step's `RemoteValue` as Python logs, tolerating lost workers.
 
-    A worker that died after its step ran took the outputs with it; the
-    step's update is already on the parameter servers, so its logs are
-    skipped (`{}`) rather than failing the run.
-
-    Args:
-        result: The `RemoteValue` of a scheduled step.
-
-    Returns:
-        The step's logs, or `{}` if they were lost with their worker.
-
-    Raises:
-        tf.errors.OpError: Any error of the step itself, or of a
-            parameter server.
+    A worker that died after its step took the outputs along, but the update
+    is on the parameter servers: return `{}` rather than fail. Step and
+    parameter-server errors propagate.
     """
     try:
         return pythonify_logs(result.fetch())

@@ -1,16 +1,15 @@
 """AsyncReplicator: asynchronous training with parameter servers.
 
-The paper's `MultiWorkerAsyncReplicator`. Variables live on parameter-server
-tasks ("ps"); the chief process is the coordinator: it runs the user's
-program and dispatches steps (closures) to worker tasks, each of which reads
-the current variables, computes one step and applies its update without
-waiting for the others. A `tf.distribute.ParameterServerStrategy` with a
-`ClusterCoordinator` does the work; this module adds what Keras 3 lacks
-(`model.fit`/`evaluate`, see `async_training`) and the research API.
+The paper's `MultiWorkerAsyncReplicator`. Variables live on "ps" tasks; the
+chief (coordinator) runs the user's program and dispatches steps to worker
+tasks, which each read the variables, compute a step and apply its update
+without waiting for the others. `tf.distribute.ParameterServerStrategy` with a
+`ClusterCoordinator` does the work; this adds what Keras 3 lacks (`model.fit`
+/`evaluate`, see `async_training`) and the research API.
 
-Workers and parameter servers run only a TensorFlow server: `serve()` (the
-`SERVE_COMMAND` below, which `keras-replicator launch --ps` uses), or the
-user's own script, whose `AsyncReplicator()` call serves and never returns.
+Workers and ps tasks only serve: `serve()` (`SERVE_COMMAND`, used by
+`keras-replicator launch --ps`), or the user's script, whose
+`AsyncReplicator()` call serves and never returns.
 """
 
 from __future__ import annotations
@@ -30,14 +29,12 @@ from keras_replicator._src.replicators import async_training
 from keras_replicator._src.replicators import base
 from keras_replicator._src.training import replicate as replicate_lib
 
-# What a worker or ps process runs: a bare TensorFlow server for TF_CONFIG
-# (`serve` below; the launcher starts it by name).
+# What a worker or ps process runs (`serve`; the launcher starts it by name).
 SERVE_COMMAND = launch.SERVE_COMMAND
 # Tasks that only serve; the chief (coordinator) runs the user's program.
 _SERVER_JOBS = ("worker", "ps")
-# A server executes the functions of the coordinator with its inter-op
-# threads; with fewer than this (a 2-core machine) a step that waits on a
-# parameter-server read can starve the thread pool and stall.
+# Servers run the coordinator's functions on inter-op threads; with fewer
+# (a 2-core machine) a step waiting on a ps read can starve the pool and stall.
 _MIN_INTER_OP_THREADS = 4
 
 
@@ -46,30 +43,25 @@ class AsyncReplicator(
 ):
     """Trains asynchronously: workers update variables on parameter servers.
 
-    The cluster has one `"chief"` (the coordinator, which runs your program),
-    one or more `"worker"` tasks and one or more `"ps"` tasks. Create the
-    model under `replicator.scope()`: its variables are placed on the
-    parameter servers, round-robin, or sharded by `variable_partitioner`.
-    `model.fit` then dispatches each step to whichever worker is free; the
-    workers do not wait for each other, so a slow or dead worker does not
-    stop training (its steps are rescheduled on the others).
+    The cluster has one `"chief"` (the coordinator, running your program)
+    and one or more `"worker"` and `"ps"` tasks. Variables created under
+    `replicator.scope()` go to the parameter servers, round-robin or sharded
+    by `variable_partitioner`. `model.fit` dispatches each step to a free
+    worker; workers do not wait for each other, so a slow or dead worker's
+    steps are rescheduled on the others.
 
-    `replicator.distribute(examples, global_batch_size)` works as under
-    every replicator, with TensorFlow's parameter-server convention: each
-    step runs on one worker and takes `global_batch_size` examples, and the
-    examples are sharded across the workers (see `distribute`); `model.fit`
-    of it needs no `steps_per_epoch` when the number of examples is known.
-    `x` may also be a `tf.data.Dataset` of batches, an `input_fn(ctx)`
-    returning one, or NumPy arrays with `batch_size` (then pass
-    `steps_per_epoch`); each worker builds its own copy and iterates it
-    forever (shuffle it without a fixed seed so workers see different
-    orders). `batch_size` is the batch of one step on one worker.
+    `replicator.distribute(examples, global_batch_size)` follows TF's
+    parameter-server convention: a step runs on one worker and takes
+    `global_batch_size` examples; `model.fit` of it needs no
+    `steps_per_epoch` when the example count is known. `x` may also be a
+    `tf.data.Dataset` of batches, an `input_fn(ctx)` returning one, or NumPy
+    arrays with `batch_size` (one worker's step; pass `steps_per_epoch`):
+    each worker iterates its own copy forever (shuffle without a fixed seed
+    so workers' orders differ).
 
-    On a `"worker"` or `"ps"` task the constructor starts the TensorFlow
-    server and blocks forever, so the same script can run on every task.
-
-    TensorFlow's gRPC cluster traffic is unauthenticated: keep the cluster on
-    a trusted network.
+    On a `"worker"` or `"ps"` task the constructor serves forever, so one
+    script runs on every task. TF's gRPC traffic is unauthenticated: keep the
+    cluster on a trusted network.
 
     Example (on the chief; start the cluster with
     `keras-replicator launch --workers 2 --ps 1 -- python train.py`):
@@ -84,14 +76,13 @@ class AsyncReplicator(
     Args:
         cluster: `None` to read `TF_CONFIG`, a TF_CONFIG JSON string or
             dict, a `keras_replicator.ClusterConfig`, or a
-            `tf.distribute.cluster_resolver.ClusterResolver`. It must have a
-            `"chief"`, at least one `"worker"` and at least one `"ps"` task.
-        variable_partitioner: None (each variable lives whole on one
-            parameter server, round-robin), a
+            `tf.distribute.cluster_resolver.ClusterResolver`, with `"chief"`,
+            `"worker"` and `"ps"` tasks.
+        variable_partitioner: None (whole variables, round-robin), a
             `tf.distribute.experimental.partitioners.Partitioner`, or an
-            integer `min_shard_bytes`: shard variables along their first axis
-            into pieces of at least that many bytes, over at most all
-            parameter servers (for large embeddings). Defaults to None.
+            integer `min_shard_bytes`: shard along the first axis into
+            pieces of at least that many bytes, over at most all parameter
+            servers (for large embeddings). Defaults to None.
 
     Raises:
         ValueError: If the cluster is missing or malformed, has no `"ps"`,
@@ -102,8 +93,7 @@ class AsyncReplicator(
     """
 
     replicator_kind = "async"
-    # Keras' fit/evaluate/predict of this replicator's models run these
-    # loops (patches/trainer_loops.py dispatches to them).
+    # Keras' fit/evaluate/predict loops (patches/trainer_loops.py).
     keras_loops = async_training
 
     def __init__(
@@ -120,8 +110,7 @@ class AsyncReplicator(
             sys.exit(0)  # pragma: no cover - serve() never returns
         self._config = config
         super().__init__(resolver, variable_partitioner=partitioner)
-        # Creating the coordinator starts one thread per worker that pulls
-        # scheduled steps off a shared queue.
+        # Starts one thread per worker pulling steps off a shared queue.
         self._coordinator = tf.distribute.coordinator.ClusterCoordinator(self)
         self._install_patches()
 
@@ -172,17 +161,12 @@ class AsyncReplicator(
     def replicate(self, step_fn, input_fn, reduce="mean", steps_per_call=1):
         """Compiles one worker's step; each call dispatches it asynchronously.
 
-        As `ReplicatorMixin.replicate`, but a call does not wait: it
-        schedules the step on whichever worker is free and returns a
-        `tf.distribute.experimental.coordinator.RemoteValue` at once. Its
-        `fetch()` blocks until that step ran and returns the outputs,
-        reduced over the local replicas of the worker that ran it (a step
-        spans one worker). `replicator.join()` waits for every step.
-
-        `input_fn(ctx)` is traced once and built on every worker;
-        `ctx.input_pipeline_id` is 0 on all of them, so do not shard by it:
-        shuffle without a fixed seed instead. The dataset is repeated: steps
-        go to whichever worker is free, so no worker's copy may run out.
+        As `ReplicatorMixin.replicate`, but a call schedules the step on a
+        free worker and returns at once; `fetch()` waits for the outputs,
+        reduced over that worker's replicas; `replicator.join()` waits for
+        every step. `input_fn(ctx)` is traced once, built on every worker,
+        with `ctx.input_pipeline_id` 0: shuffle without a fixed seed rather
+        than shard by it. The dataset is repeated so no copy runs out.
 
         Args:
             step_fn: One replica's step, called with that replica's batch.
@@ -190,11 +174,11 @@ class AsyncReplicator(
                 `tf.data.Dataset` of per-replica batches.
             reduce: `"mean"`, `"sum"` or None (a list, one output per
                 replica of the worker). Defaults to `"mean"`.
-            steps_per_call: Steps each call runs, in one closure. Defaults
-                to 1.
+            steps_per_call: Steps per call, in one closure. Defaults to 1.
 
         Returns:
-            A callable; each call returns a `RemoteValue`.
+            A callable; each call returns a
+            `tf.distribute.experimental.coordinator.RemoteValue`.
 
         Raises:
             TypeError: If `step_fn` or `input_fn` is not callable.
@@ -216,47 +200,40 @@ class AsyncReplicator(
     ) -> worker_shards.WorkerShardedInput:
         """Shards, shuffles and batches unbatched examples over the workers.
 
-        The same call as under every other replicator, with TensorFlow's
-        parameter-server meaning of the batch: each step runs on one worker
-        and takes `global_batch_size` examples (split over that worker's
-        replicas, its GPUs; 1 replica on CPU). The examples are sharded by
-        element across the workers (worker `i` of `W` reads examples `i`,
-        `i + W`, ...), each worker shuffles its shard with `shuffle_seed`
-        (a new order each pass) and repeats it forever.
+        With TF's parameter-server meaning of the batch: a step runs on one
+        worker and takes `global_batch_size` examples (split over its GPUs; 1
+        replica on CPU). Worker `i` of `W` reads examples `i`, `i + W`, ...,
+        shuffles them with `shuffle_seed` (a new order each pass) and repeats
+        forever.
 
-        When the number of examples `N` is known (a dataset of known
-        cardinality), `model.fit` needs no `steps_per_epoch`: an epoch is
-        `N // global_batch_size` steps, the updates (of as many examples) of
-        one synchronous epoch. Otherwise pass `steps_per_epoch`.
-        `model.evaluate` of an eval-mode result runs on the chief, over
-        every example exactly once, in batches of `global_batch_size`
-        (with `steps=`, it runs that many steps on the workers instead).
+        With a known example count `N`, `model.fit` needs no
+        `steps_per_epoch`: an epoch is `N // global_batch_size` steps, as in
+        one synchronous epoch. `model.evaluate` of an eval-mode result runs
+        on the chief over every example once, in batches of
+        `global_batch_size` (with `steps=`, that many steps on the workers).
 
         Args:
-            dataset_or_input_fn: A `tf.data.Dataset` of single, unbatched
-                examples (made here: it is sent to the workers as a graph),
-                or a function of a `tf.distribute.InputContext` returning
-                one, called on every worker; its dataset is sharded too.
+            dataset_or_input_fn: A `tf.data.Dataset` of unbatched examples
+                (sent to the workers as a graph), or a function of a
+                `tf.distribute.InputContext` returning one, called on every
+                worker; either is sharded.
             global_batch_size: Examples of one step (on one worker).
-            shuffle_seed: Shuffles each worker's shard with this seed.
-                Defaults to None: the dataset's order.
-            static_shapes: Accepted for scripts that run on every backend;
-                training batches are always full here (the last partial
-                batch of a pass wraps into the next pass) and evaluation
-                runs on the chief, so it changes nothing. Defaults to None.
+            shuffle_seed: Seed for shuffling each worker's shard. Defaults to
+                None: the dataset's order.
+            static_shapes: Ignored (accepted for portable scripts): training
+                batches are always full (a pass's last partial batch wraps
+                into the next) and evaluation runs on the chief. Defaults to
+                None.
             mode: `"train"` or `"eval"` (elements become
                 `(x, y, sample_weight)`). Defaults to `"train"`.
-            shuffle_buffer_size: Shuffle buffer, in examples. Defaults to
-                10,000.
+            shuffle_buffer_size: In examples. Defaults to 10,000.
 
         Returns:
-            A `WorkerShardedInput` for `model.fit`, `evaluate` and
-            `predict` under this replicator.
+            A `WorkerShardedInput` for `model.fit`, `evaluate`, `predict`.
 
         Raises:
             ValueError: If `mode` or a size is out of range, or
-                `global_batch_size` does not divide over one worker's
-                replicas.
+                `global_batch_size` does not divide over a worker's replicas.
             TypeError: If `dataset_or_input_fn` is neither a dataset nor
                 callable.
         """
@@ -316,8 +293,8 @@ class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         )
         self._iterator = iter(self.dataset)
-        # The outputs' structure, True at each None leaf; set when `_run`
-        # is traced, and None if no leaf is None.
+        # Outputs' structure, True at None leaves (None if none); set by
+        # tracing `_run`.
         self._none_leaves = None
         self._function = tf.function(self._run)
 
@@ -328,8 +305,7 @@ class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
             A `RemoteValue`; `fetch()` returns the last step's outputs,
             None leaves included.
         """
-        # `schedule` traces the function before it returns, so
-        # `_none_leaves` is up to date here.
+        # `schedule` traces first, so `_none_leaves` is current.
         remote = self.strategy.coordinator.schedule(
             self._function, args=(self._iterator,)
         )
@@ -343,9 +319,9 @@ class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
         if outputs is None or all(v is not None for v in flat):
             self._none_leaves = None
             return outputs
-        # A RemoteValue cannot hold None: fetching one fails with "Attempt
-        # to convert a value (None) with an unsupported type". Send the
-        # tensors only; `_RemoteValueWithNones` puts the None leaves back.
+        # Fetching a None from a RemoteValue fails ("Attempt to convert a
+        # value (None) with an unsupported type"): send only the tensors;
+        # `_RemoteValueWithNones` restores the Nones.
         self._none_leaves = tf.nest.map_structure(lambda v: v is None, outputs)
         return [v for v in flat if v is not None]
 
@@ -353,10 +329,8 @@ class AsyncReplicatedStep(replicate_lib.ReplicatedStep):
 class _RemoteValueWithNones(tf.distribute.experimental.coordinator.RemoteValue):
     """A step's `RemoteValue`, with the None leaves the worker did not send.
 
-    Args:
-        remote: The `RemoteValue` of the step's tensors, a flat list.
-        none_leaves: The structure of the step's outputs, True at its None
-            leaves and False at its tensors.
+    `remote` holds the flat list of tensors; `none_leaves` is the outputs'
+    structure, True at None leaves.
     """
 
     def __init__(self, remote, none_leaves):
@@ -381,14 +355,7 @@ class _RemoteValueWithNones(tf.distribute.experimental.coordinator.RemoteValue):
 
 
 def check_async_cluster(config: cluster_lib.ClusterConfig) -> None:
-    """Checks that a cluster has the chief, worker and ps tasks PS needs.
-
-    Args:
-        config: A validated `ClusterConfig`.
-
-    Raises:
-        ValueError: If a job is missing, naming the cluster received.
-    """
+    """Raises ValueError unless a `ClusterConfig` has chief, worker and ps."""
     jobs = {job: list(a) for job, a in config.cluster.items()}
     needs = (
         ("ps", "a 'ps' job (parameter servers hold the variables)"),
@@ -427,13 +394,9 @@ def _partitioner(value: Any, config: cluster_lib.ClusterConfig):
 
 
 def serve(config: cluster_lib.ClusterConfig | None = None) -> None:
-    """Runs this task's TensorFlow server (a worker or ps) until killed.
+    """Runs this worker or ps task's TF server (`config` or TF_CONFIG) forever.
 
-    Args:
-        config: The cluster and this task. Defaults to `TF_CONFIG`.
-
-    Raises:
-        ValueError: If the task is not a `"worker"` or `"ps"` task.
+    Raises ValueError for a task that is not `"worker"` or `"ps"`.
     """
     if config is None:
         config = cluster_lib.parse_tf_config(os.environ.get("TF_CONFIG", ""))

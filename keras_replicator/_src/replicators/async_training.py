@@ -1,22 +1,19 @@
 """Keras 3 `model.fit` / `evaluate` / `predict` loops for an AsyncReplicator.
 
 Keras 3 dropped parameter-server training (keras-team/keras#18624): its
-trainer calls `strategy.run` on the coordinator, which a
-`ParameterServerStrategy` refuses. The `trainer_loops` patch sends `fit`,
-`evaluate` and `predict` of models built under an `AsyncReplicator` to the
-loops here (the replicator's `keras_loops`), and leaves every other model on
-stock Keras:
+trainer calls `strategy.run` on the coordinator, which
+`ParameterServerStrategy` refuses. The `trainer_loops` patch routes models
+built under an `AsyncReplicator` here (its `keras_loops`):
 
-* `fit` builds a dataset on every worker, schedules `steps_per_epoch`
-  `train_step`s per epoch with the `ClusterCoordinator`, calls the batch
-  hooks as the steps finish (in step order), and takes the epoch's logs from
-  the metric variables on the parameter servers once every step has run.
+* `fit` schedules `steps_per_epoch` `train_step`s per epoch on per-worker
+  datasets, calls batch-end hooks in step order as steps finish, and reads
+  the epoch's logs from the metric variables on the ps after every step ran.
 * `evaluate` with `steps` schedules that many `test_step`s on the workers;
-  without `steps` it runs on the coordinator over the finite data, so every
-  example counts exactly once. `predict` runs on the coordinator.
+  without, it runs on the coordinator over the finite data (each example
+  once). `predict` runs on the coordinator.
 
-Keras' `Variable.assign_add`/`assign_sub` are made atomic for
-parameter-server variables by the `atomic_assign` patch.
+The `atomic_assign` patch makes Keras' `assign_add`/`assign_sub` atomic for
+parameter-server variables.
 """
 
 from __future__ import annotations
@@ -57,15 +54,13 @@ def fit(
 ):
     """`model.fit` under an AsyncReplicator; see the module docstring.
 
-    Raises:
-        ValueError: If `steps_per_epoch` is missing or not a positive
-            integer, an unsupported argument is set, or `x` is unusable.
+    Raises ValueError if `steps_per_epoch` is missing or not a positive
+    integer, an unsupported argument is set, or `x` is unusable.
     """
     model._assert_compile_called("fit")
     source = async_data.Source(x, y, batch_size, shuffle=shuffle)
     if steps_per_epoch is None:
-        # `replicator.distribute(examples, ...)` of a known number of
-        # examples: an epoch is one pass, as under every other replicator.
+        # `replicator.distribute(...)` of a known count: one pass an epoch.
         steps_per_epoch = source.steps_per_epoch
     _check_steps("steps_per_epoch", steps_per_epoch, "model.fit")
     for name in _FIT_UNSUPPORTED:
@@ -136,9 +131,8 @@ def evaluate(
 ):
     """`model.evaluate` under an AsyncReplicator; see the module docstring.
 
-    Raises:
-        ValueError: If `steps` is given but not a positive integer, or
-            `x` is an `input_fn` and `steps` is missing.
+    Raises ValueError if `steps` is not a positive integer, or is missing
+    with an `input_fn`.
     """
     model._assert_compile_called("evaluate")
     kwargs.pop("_use_cached_eval_dataset", None)
@@ -197,8 +191,7 @@ def predict(
 ):
     """`model.predict` under an AsyncReplicator: on the coordinator, in order.
 
-    Returns:
-        NumPy outputs, one row per example of `x`, in order.
+    Returns NumPy outputs, one row per example of `x`.
     """
     source = async_data.Source(x, None, batch_size, shuffle=False)
     _build(model, replicator, source)
@@ -236,16 +229,15 @@ def _unpack(data):
 def _build(model, replicator, source):
     """Creates the model's, metrics' and optimizer's variables on the ps.
 
-    Raises:
-        NotImplementedError: If a trainable variable was sharded by the
-            replicator's `variable_partitioner`.
+    Raises NotImplementedError if `variable_partitioner` sharded a trainable
+    variable.
     """
     with replicator.scope():
         model._symbolic_build(data_batch=source.element_spec())
     for variable in model.trainable_variables:
         if isinstance(variable.value, sharded_variable.ShardedVariable):
-            # Keras' train_step asks the tape for `variable.handle`, which a
-            # ShardedVariable does not have (AttributeError deep in fit).
+            # Keras' train_step needs `variable.handle`, which a
+            # ShardedVariable lacks (AttributeError deep in fit).
             raise NotImplementedError(
                 "`variable_partitioner` sharded a trainable variable, and "
                 "Keras 3's train_step cannot take gradients of a sharded "
@@ -260,8 +252,7 @@ def _step_function(model, replicator, step):
 
     def one_step(iterator):
         outputs = replicator.run(step, args=(next(iterator),))
-        # A step spans one worker; average its replicas' outputs (its
-        # GPUs), as Keras' reduce_per_replica does.
+        # Average the worker's replicas, as Keras' reduce_per_replica does.
         return tf.nest.map_structure(
             lambda v: replicator.reduce("MEAN", v, axis=None), outputs
         )

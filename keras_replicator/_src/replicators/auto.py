@@ -36,14 +36,11 @@ class Choice:
 
 
 def choose() -> Choice:
-    """Decides which backend `auto()` creates, without creating it.
+    """Decides, as a `Choice`, which backend `auto()` creates.
 
-    The order is: TPU, then a cluster (TF_CONFIG or Slurm), then local GPUs,
-    then CPU replicas. It needs no TensorFlow where no GPU can be (see
-    `devices.gpus_possible`), so `keras-replicator env` is quick there.
-
-    Returns:
-        A `Choice`.
+    TPU, then a cluster (TF_CONFIG or Slurm), local GPUs, CPU replicas.
+    Needs no TensorFlow where no GPU can be (`devices.gpus_possible`), so
+    `keras-replicator env` is quick there.
     """
     tpu = devices_lib.find_tpu()
     if tpu:

@@ -1,8 +1,7 @@
 """The base every replicator shares: chief, batch helpers, research API.
 
-Each backend is a `tf.distribute.Strategy` subclass with `ReplicatorMixin` first
-in its bases, so every backend gets the same `is_chief`, global-batch helpers,
-`replicate`, `wrap_optimizer` and `distribute`.
+Each backend is a `tf.distribute.Strategy` with `ReplicatorMixin` first in
+its bases.
 """
 
 from __future__ import annotations
@@ -22,14 +21,12 @@ from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.training import optimizer as optimizer_lib
 from keras_replicator._src.training import replicate as replicate_lib
 
-# Group keys of collective ops are process-global in TensorFlow's runtime, but
-# each tf.distribute strategy numbers its groups from 1. Two strategies in one
-# process with different device sets then share group key 1 and the runtime
-# fails with "joining a group with size 4, but that group has size 2 ... Restart
-# your program" (tensorflow/tensorflow#62790). Every replicator takes its own
-# block of keys instead. Multi-worker replicators count their blocks apart,
-# from a range of their own: workers that create as many of them agree on the
-# keys, whatever local replicators each created.
+# Collective group keys are process-global in TF's runtime, but each strategy
+# numbers its groups from 1: two strategies with different device sets share
+# key 1 and fail with "joining a group with size 4, but that group has size 2
+# ... Restart your program" (tensorflow/tensorflow#62790). So each replicator
+# takes its own key block; multi-worker ones count from a range of their own,
+# so workers creating as many agree on keys whatever local ones they made.
 _KEY_BLOCK = 10_000
 _MULTI_WORKER_KEYS = 1_000_000_000  # group keys are int32
 _key_blocks = itertools.count(1)
@@ -48,11 +45,10 @@ def next_collective_key_base(multi_worker: bool = False) -> int:
 class ReplicatorMixin:
     """What every replicator backend has, whatever its topology.
 
-    Put it first in the bases of a `tf.distribute.Strategy` subclass, set
+    Put it first in a `tf.distribute.Strategy` subclass's bases, set
     `replicator_kind` (one of `core.traits.KINDS`) and call
     `_install_patches()` in `__init__` before the strategy is built.
-    Subclasses that span processes override `is_chief`, `num_workers` and
-    `worker_index`.
+    Multi-process subclasses override `is_chief`, `num_workers`, `worker_index`.
     """
 
     # Which backend this is; patches dispatch on it (core.traits).
@@ -61,24 +57,18 @@ class ReplicatorMixin:
     def _install_patches(self) -> None:
         """Installs the Keras/TF patches this kind of replicator declares.
 
-        Each patch lists the kinds it applies to (`patches/registry.py`);
-        installing is idempotent, and every patched method falls back to
-        stock Keras for models under other strategies.
+        Idempotent (`patches/registry.py`); patched methods fall back to stock
+        Keras under other strategies.
         """
         patches.install_for(self.replicator_kind)
 
-    # Not converted by AutoGraph when called inside a tf.function: the
-    # wrapper converts `fn` itself, as `Strategy.run` does.
+    # Not AutoGraph-converted: the wrapper converts `fn`, as `Strategy.run`.
     @tf.autograph.experimental.do_not_convert
     def run(self, fn, args=(), kwargs=None, options=None):
         """Runs `fn` on every replica; see `tf.distribute.Strategy.run`.
 
-        Under in-graph replicators each replica notes which API runs it and
-        how many examples its batch holds (`core/replica_step.py`): an
-        optimizer in the user's own `run` keeps tf.distribute's gradient
-        convention (shares, summed), one in a Keras step or `replicate`
-        averages, weighing the replicas as one device weighs the examples.
-        See `gradient_reduction`.
+        In-graph replicators record which API runs each replica and its batch
+        size (`core/replica_step.py`), for `gradient_reduction`.
         """
         if traits.is_in_graph(self):
             fn = replica_step.recording(fn)
@@ -87,9 +77,9 @@ class ReplicatorMixin:
     def experimental_distribute_dataset(self, dataset, options=None):
         """Distributes `dataset`; see `tf.distribute.Strategy`.
 
-        Under in-graph replicators the dataset runs without tf.data's
-        autotune thread (unless the user set an autotune option), so that
-        deleting its iterator cannot stall (`patches/iterator_teardown.py`).
+        In-graph replicators drop tf.data's autotune thread (unless the user
+        set an autotune option) so deleting the iterator cannot stall
+        (`patches/iterator_teardown.py`).
         """
         if traits.is_in_graph(self):
             dataset = iterator_teardown.without_autotune_thread(dataset)
@@ -98,8 +88,7 @@ class ReplicatorMixin:
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Distributes `dataset_fn`'s datasets; see `tf.distribute.Strategy`.
 
-        Like `experimental_distribute_dataset`, without tf.data's autotune
-        thread under in-graph replicators.
+        Drops the autotune thread as `experimental_distribute_dataset` does.
         """
         if traits.is_in_graph(self):
             dataset_fn = iterator_teardown.without_autotune_thread_fn(
@@ -121,17 +110,14 @@ class ReplicatorMixin:
     def gradient_reduction(self) -> str:
         """How optimizers combine the replicas' gradients.
 
-        `"auto"` (the default) follows the API that runs the update: in
-        Keras' `fit`/`evaluate` (any `train_step`) and in `replicate` or
-        with `wrap_optimizer`, a loss is the replica's own mean and the
+        `"auto"` (default): in Keras' `fit`/`evaluate` (any `train_step`),
+        `replicate` or `wrap_optimizer`, each loss is the replica's mean and
         gradients are averaged (one device's numbers); in your own
-        `strategy.run` with a plain optimizer, tf.distribute's convention
-        holds (each replica's loss is its share, the gradients are summed,
-        as under stock `MirroredStrategy`). `tf.nn.compute_average_loss`
-        and `tf.nn.scale_regularization_loss` mean "my share" everywhere.
-        `"mean"` averages in every update, `"sum"` keeps stock
-        tf.distribute behaviour in every update (Keras divides its losses
-        by the replica count and sums).
+        `strategy.run` with a plain optimizer, each loss is its share and
+        gradients are summed, as under stock `MirroredStrategy`.
+        `tf.nn.compute_average_loss` and `tf.nn.scale_regularization_loss`
+        mean "my share" everywhere. `"mean"` always averages; `"sum"` always
+        keeps stock tf.distribute (Keras divides losses by replicas and sums).
         """
         return getattr(self, "_gradient_reduction", "auto")
 
@@ -148,8 +134,8 @@ class ReplicatorMixin:
     def shard_optimizer_state(self) -> bool:
         """Whether optimizers keep 1/N of their per-weight state per replica.
 
-        ZeRO stage 1, opt-in; checkpoints still hold the full state. See
-        `sharding/optimizer_shards.py` and the Speed page of the docs.
+        ZeRO stage 1, opt-in; checkpoints hold the full state. See
+        `sharding/optimizer_shards.py` and the docs' Speed page.
         """
         return getattr(self, "_shard_optimizer_state", False)
 
@@ -166,16 +152,13 @@ class ReplicatorMixin:
     def sync_batch_norm(self) -> bool:
         """Whether `BatchNormalization` normalizes over the global batch.
 
-        True (the default): in Keras' `fit`, `evaluate`, `train_on_batch`
-        and `test_on_batch` (any `train_step`), and in `replicate` steps,
-        every `keras.layers.BatchNormalization` computes its training
-        statistics over the global batch of every replica (one all-reduce
-        per layer and step), so the weights and logs are one device's, as
-        under `keras.distribution` and Keras on JAX. Your own
-        `strategy.run` keeps tf.distribute's per-replica statistics, as
-        the gradient convention does (`gradient_reduction`). False keeps
-        per-replica statistics everywhere, where speed matters more than
-        one device's numbers (docs/exact.md has the cost).
+        True (default): in Keras' `fit`, `evaluate`, `train_on_batch`,
+        `test_on_batch` (any `train_step`) and `replicate` steps, every
+        `keras.layers.BatchNormalization` takes training statistics over all
+        replicas (one all-reduce per layer and step): one device's numbers, as
+        under `keras.distribution` and Keras on JAX. Your own `strategy.run`
+        keeps per-replica statistics, like `gradient_reduction`. False keeps
+        them everywhere, for speed (docs/exact.md has the cost).
         """
         return getattr(self, "_sync_batch_norm", True)
 
@@ -188,9 +171,8 @@ class ReplicatorMixin:
     def hang_seconds(self) -> float | None:
         """The hang watchdog's timeout as given (None: from the environment).
 
-        None reads `KERAS_REPLICATOR_HANG_SECONDS` when a loop starts
-        (default 600 s); 0 turns the watchdog off. See
-        `training/hang_watchdog.py`.
+        None reads `KERAS_REPLICATOR_HANG_SECONDS` when a loop starts (default
+        600 s); 0 turns it off. See `training/hang_watchdog.py`.
         """
         return getattr(self, "_hang_seconds", None)
 
@@ -218,15 +200,14 @@ class ReplicatorMixin:
         """Splits a global batch size evenly over all replicas.
 
         Args:
-            global_batch_size: The batch size of one step over all replicas
-                and workers.
+            global_batch_size: One step's batch size over all replicas.
 
         Returns:
             `global_batch_size // num_replicas_in_sync`.
 
         Raises:
-            ValueError: If `global_batch_size` is not a positive integer or is
-                not divisible by the number of replicas.
+            ValueError: If `global_batch_size` is not a positive integer
+                divisible by the number of replicas.
         """
         _check_positive_int("global_batch_size", global_batch_size)
         replicas = self.num_replicas_in_sync
@@ -257,7 +238,7 @@ class ReplicatorMixin:
     def distribute(self, dataset_or_input_fn, global_batch_size, **options):
         """Shards, shuffles and batches unbatched examples for this replicator.
 
-        See `keras_replicator.data.shard` for the arguments and semantics.
+        Semantics as `keras_replicator.data.shard`.
 
         Args:
             dataset_or_input_fn: A `tf.data.Dataset` of single examples, or a
@@ -277,13 +258,11 @@ class ReplicatorMixin:
     def replicate(self, step_fn, input_fn, reduce="mean", steps_per_call=1):
         """Compiles one replica's step to run on every replica in sync.
 
-        The TF-Replicator research API: write one replica, as on one device.
-        `input_fn(ctx)` gets a `tf.distribute.InputContext` and returns a
-        `tf.data.Dataset` of PER-REPLICA batches (shard it with
-        `ctx.input_pipeline_id` / `ctx.num_input_pipelines` and batch it with
-        `ctx.get_per_replica_batch_size(global_batch)`). `step_fn(batch)`
-        runs on each replica; inside it, use the cross-replica primitives
-        (`kr.all_reduce`, `kr.all_gather`, ...) and a `wrap_optimizer`
+        The TF-Replicator research API. `input_fn(ctx)` returns a dataset of
+        PER-REPLICA batches (shard by `ctx.input_pipeline_id` /
+        `ctx.num_input_pipelines`, batch by
+        `ctx.get_per_replica_batch_size(global_batch)`). In `step_fn` use
+        `kr.all_reduce`, `kr.all_gather`, ... and a `wrap_optimizer`
         optimizer. Create variables under `replicator.scope()` beforehand.
 
         Example:
@@ -298,17 +277,15 @@ class ReplicatorMixin:
                 returns a tensor, a nest of tensors, or None.
             input_fn: Called once per input pipeline (one per worker) with a
                 `tf.distribute.InputContext`; returns a `tf.data.Dataset`.
-            reduce: How outputs combine: `"mean"` or `"sum"` over all
-                replicas and workers, or None for a list with one output per
-                LOCAL replica, in replica order. Defaults to `"mean"`. A
-                mean is a true division, as `tf.distribute`'s: integer
-                outputs come back as floats; None leaves stay None.
+            reduce: `"mean"` or `"sum"` over all replicas and workers, or
+                None for a list of one output per LOCAL replica, in order.
+                Defaults to `"mean"`. The mean is a true division, as in
+                `tf.distribute`: integers come back as floats; None stays.
             steps_per_call: Steps each call runs in one `tf.function` call
                 (outputs are the last step's). Defaults to 1.
 
         Returns:
-            A callable; each call advances every replica and returns the
-            outputs.
+            A callable advancing every replica and returning the outputs.
 
         Raises:
             TypeError: If `step_fn` or `input_fn` is not callable, or
@@ -324,16 +301,14 @@ class ReplicatorMixin:
     ):
         """Wraps a Keras optimizer to average gradients over every replica.
 
-        In `step_fn` compute a plain per-replica mean loss (no division by
-        the replica count) and call `optimizer.apply_gradients(...)` as on
-        one device: gradients are averaged over all replicas and workers
-        once, in a few packed all-reduces, then applied. Under `model.fit`
-        it trains exactly like the unwrapped optimizer (see
-        `ReplicatedOptimizer`).
+        In `step_fn` compute a per-replica mean loss and call
+        `optimizer.apply_gradients(...)` as on one device: gradients are
+        averaged over all replicas in a few packed all-reduces. Under
+        `model.fit` it trains like the unwrapped optimizer.
 
         Args:
             optimizer: A `keras.optimizers.Optimizer` created under
-                `replicator.scope()`. Use only the returned wrapper after.
+                `replicator.scope()`; use only the wrapper afterwards.
             accumulation_steps: Micro-batches accumulated locally before one
                 all-reduce and update. Defaults to 1.
             compression: None, `"bf16"` or `"fp16"`: the dtype gradients

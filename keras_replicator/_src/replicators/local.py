@@ -15,19 +15,15 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
     """Replicates Keras and TensorFlow code over the devices of one host.
 
     The paper's `MultiGpuReplicator`: in-graph, synchronous data parallelism
-    over all local GPUs, or over `num_replicas` CPU replicas made from logical
-    CPU devices when the host has no GPU. It is a `tf.distribute.Strategy`, so
-    ordinary Keras code only needs `with replicator.scope():`.
+    over the local GPUs, or over logical CPU devices on a host without GPU.
+    Keras code needs only `with replicator.scope():`.
 
-    CPU replicas need the CPU split into logical devices before TensorFlow
-    initialises. The replicator does that itself when it is created first
-    (it makes at least 8 logical CPUs, so later replicators in the same
-    process, as a notebook makes them, can use up to 8 replicas). When other
-    TensorFlow code ran first, call `keras_replicator.configure_cpu_replicas`
-    at start-up.
-
-    Replicators can be created again and again in one process, with the same
-    or other replica counts: each one uses its own collective keys.
+    CPU replicas need the CPU split before TensorFlow initialises; a first
+    replicator does it (at least 8 logical CPUs, so later ones in the
+    process, as in a notebook, can use up to 8). If other TensorFlow code ran
+    first, call `keras_replicator.configure_cpu_replicas` at start-up.
+    Replicators can be created repeatedly, with any replica counts: each
+    uses its own collective keys.
 
     Example:
     ```python
@@ -39,40 +35,33 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
     ```
 
     Args:
-        num_replicas: The number of replicas. Defaults to all local GPUs, or
-            with no GPU, to `KERAS_REPLICATOR_CPU_REPLICAS` or the number of
-            CPU cores (at most 8).
-        devices: Device names such as `["/gpu:0", "/gpu:1"]` or
-            `["/cpu:0", "/cpu:1"]`, one per replica. Defaults to the first
-            `num_replicas` GPUs or logical CPUs.
-        gradient_reduction: `"auto"`, `"mean"` or `"sum"`: how
-            optimizers combine the replicas' gradients (the property of
+        num_replicas: Defaults to all local GPUs, else
+            `KERAS_REPLICATOR_CPU_REPLICAS` or the CPU cores (at most 8).
+        devices: One device name per replica, e.g. `["/gpu:0", "/gpu:1"]`
+            or `["/cpu:0", "/cpu:1"]`. Defaults to the first `num_replicas`
+            GPUs or logical CPUs.
+        gradient_reduction: `"auto"`, `"mean"` or `"sum"` (the property of
             that name). Defaults to `"auto"`.
-        hang_seconds: The hang watchdog's timeout: after this many seconds
-            without a finished step in `fit`, `evaluate`, `predict` or a
-            `replicate` call, the process prints every thread's stack and
-            exits with code 76 (in a notebook: the loop raises a
-            `RuntimeError`). The first step of a loop and checkpoint saves
-            are not timed, up to 5 times the timeout. 0 turns it off.
+        hang_seconds: After this many seconds without a finished step in
+            `fit`, `evaluate`, `predict` or `replicate`, the process prints
+            every thread's stack and exits with code 76 (in a notebook the
+            loop raises `RuntimeError`). A loop's first step and checkpoint
+            saves get up to 5 times the timeout. 0 turns it off.
             Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
-        sync_batch_norm: If True (the default), `BatchNormalization`
-            layers compute their training statistics over the global batch
-            in Keras steps and `replicate` steps (one device's numbers);
-            False keeps each replica's own statistics (the property of
-            that name). Defaults to True.
-        shard_optimizer_state: If True, each replica keeps 1/N of every
-            per-weight optimizer variable (ZeRO stage 1) instead of a full
-            copy; checkpoints still hold the full state. Supports `SGD`,
-            `Adam`, `AdamW` and `RMSprop` in Keras steps (`fit`,
-            `train_on_batch`, a custom `train_step`); see
+        sync_batch_norm: `BatchNormalization` statistics over the global
+            batch in Keras and `replicate` steps (the property of that
+            name). Defaults to True.
+        shard_optimizer_state: Each replica keeps 1/N of every per-weight
+            optimizer variable (ZeRO stage 1); checkpoints hold the full
+            state. For `SGD`, `Adam`, `AdamW`, `RMSprop` in Keras steps
+            (`fit`, `train_on_batch`, a custom `train_step`); see
             `docs/speed.md`. Defaults to False.
 
     Raises:
         ValueError: If `num_replicas` is not a positive integer, disagrees
-            with `len(devices)`, asks for more GPUs than there are, or a
-            device does not exist here, or `gradient_reduction` is not
-            one of `"auto"`, `"mean"`, `"sum"`, or `hang_seconds` is
-            negative.
+            with `len(devices)` or exceeds the GPUs, a device does not
+            exist, `gradient_reduction` is not `"auto"`, `"mean"` or
+            `"sum"`, or `hang_seconds` is negative.
         RuntimeError: If CPU replicas are wanted but TensorFlow already
             initialised too few logical CPU devices.
     """
@@ -95,8 +84,7 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()
-        # Keras' first build from a local batch (patches/keras_compat),
-        # collectives inside tf.cond (nested_collectives), ...
+        # E.g. first build from a local batch, collectives in tf.cond, ...
         self._install_patches()
         super().__init__(devices=device_names)
 

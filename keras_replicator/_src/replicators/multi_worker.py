@@ -32,71 +32,56 @@ class MultiWorkerReplicator(
     """Replicates Keras and TensorFlow code over worker processes.
 
     The paper's `MultiWorkerReplicator`: between-graph, synchronous data
-    parallelism. Every worker process runs the same program; each holds
-    `replicas_per_worker` replicas (its GPUs, or logical CPU devices), and
-    gradients are all-reduced over every replica of every worker with
-    TensorFlow's collective ops over gRPC. It is a
-    `tf.distribute.MultiWorkerMirroredStrategy`, so ordinary Keras code only
-    needs `with replicator.scope():`; `model.fit`, `evaluate` and `predict`
-    work with Keras 3 (see `patches/keras_compat.py`).
+    parallelism. Every worker runs the same program with
+    `replicas_per_worker` replicas (GPUs or logical CPUs); gradients are
+    all-reduced over all replicas with TF's collective ops over gRPC. It is a
+    `tf.distribute.MultiWorkerMirroredStrategy`: Keras code needs only
+    `with replicator.scope():` (Keras 3 fixes: `patches/keras_compat.py`).
 
-    The cluster comes from `TF_CONFIG` (set by `keras-replicator launch`, by
-    Kubeflow's TFJob, or by hand), from Slurm, or from `cluster=`. Workers
-    must create the same number of multi-worker replicators: each takes
-    the next block of collective keys, and the workers' blocks must match.
+    The cluster comes from `TF_CONFIG` (`keras-replicator launch`, Kubeflow's
+    TFJob, or by hand), Slurm, or `cluster=`. Workers must create as many
+    multi-worker replicators (each takes the next collective key block).
     Creating one again (keras.io's multi-worker guide does, per
-    `run_training()`) reuses this worker's collective server as it is; see
-    `_MultiWorkerExtended`.
-
-    TensorFlow's gRPC cluster traffic is unauthenticated: keep the cluster on
-    a trusted network.
+    `run_training()`) reuses the worker's collective server; see
+    `_MultiWorkerExtended`. TF's gRPC traffic is unauthenticated: keep the
+    cluster on a trusted network.
 
     Args:
         cluster: `None` to read `TF_CONFIG` (else Slurm), a TF_CONFIG JSON
             string or dict, a `keras_replicator.ClusterConfig`,
             or a `tf.distribute.cluster_resolver.ClusterResolver`.
-        replicas_per_worker: Replicas per worker process. Defaults to all
-            local GPUs, or with no GPU, to `KERAS_REPLICATOR_CPU_REPLICAS` if
-            set, else 1. Every worker must use the same number.
-        timeout_seconds: Bound on how long start-up may wait for the other
-            workers (then the worker ends, naming the peer it could not
-            reach). Defaults to 60. `None` waits forever. A worker that dies
-            later is reported by TensorFlow's coordination-service
-            heartbeats within about 10 s, whatever this is.
-        collective_timeout_seconds: Bound on each collective (one all-reduce
-            of a step): catches a peer that is alive but stuck. `None`, the
-            default, sets none. TensorFlow implements it with one sleeping
-            thread per collective, alive for the whole timeout: at 100 steps
-            a second and a 60 s bound that is 12,000 threads, and a step
-            that legitimately waits longer (say, the chief saving a large
-            checkpoint) fails. Use it to debug hangs; the hang watchdog
-            (`hang_seconds`) catches them at no cost per step.
-        gradient_reduction: `"auto"`, `"mean"` or `"sum"`: how
-            optimizers combine the replicas' gradients (the property of
+        replicas_per_worker: Replicas per worker, the same on every worker.
+            Defaults to all local GPUs, else `KERAS_REPLICATOR_CPU_REPLICAS`
+            if set, else 1.
+        timeout_seconds: Bound on start-up's wait for the other workers
+            (then the worker ends, naming the unreachable peer). Defaults to
+            60; `None` waits forever. A worker dying later is reported by
+            TF's coordination-service heartbeats within about 10 s anyway.
+        collective_timeout_seconds: Bound on each collective, for a peer
+            alive but stuck. Defaults to `None` (none). TF spends a sleeping
+            thread per collective for the whole timeout (100 steps/s with a
+            60 s bound: 12,000 threads), and a step that legitimately waits
+            longer (the chief saving a large checkpoint) fails. For debugging;
+            `hang_seconds` catches hangs at no cost per step.
+        gradient_reduction: `"auto"`, `"mean"` or `"sum"` (the property of
             that name). Defaults to `"auto"`.
-        hang_seconds: The hang watchdog's timeout: after this many seconds
-            without a finished step in `fit`, `evaluate`, `predict` or a
-            `replicate` call, the worker prints every thread's stack and
-            exits with code 76, which `keras-replicator launch
-            --max-restarts` restarts. The first step of a loop and
-            checkpoint saves (this worker's or another's) are not timed,
-            up to 5 times the timeout; a stall warning names the workers
-            behind. 0 turns it off.
+        hang_seconds: After this many seconds without a finished step in
+            `fit`, `evaluate`, `predict` or `replicate`, the worker prints
+            every thread's stack and exits with code 76 (restarted by
+            `keras-replicator launch --max-restarts`). A loop's first step
+            and checkpoint saves (anyone's) get up to 5 times the timeout; a
+            stall warning names the workers behind. 0 turns it off.
             Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
-        sync_batch_norm: If True (the default), `BatchNormalization`
-            layers compute their training statistics over the global batch
-            in Keras steps and `replicate` steps (one device's numbers);
-            False keeps each replica's own statistics (the property of
-            that name). Defaults to True.
-        shard_optimizer_state: If True, each replica keeps 1/N of every
-            per-weight optimizer variable (ZeRO stage 1); checkpoints hold
-            the full state, gathered from every worker, so every worker
-            must save (as `fit`'s callbacks do). See the `LocalReplicator`
-            argument. Defaults to False.
+        sync_batch_norm: `BatchNormalization` statistics over the global
+            batch in Keras and `replicate` steps (the property of that
+            name). Defaults to True.
+        shard_optimizer_state: ZeRO stage 1 (see `LocalReplicator`);
+            checkpoints gather the full state from every worker, so every
+            worker must save (as `fit`'s callbacks do). Defaults to False.
 
     Raises:
-        ValueError: If the cluster is missing or malformed (the message names
-            the bad TF_CONFIG field), or an argument is out of range.
+        ValueError: If the cluster is missing or malformed (naming the bad
+            TF_CONFIG field), or an argument is out of range.
         TypeError: If `cluster` has an unsupported type.
         RuntimeError: If CPU replicas are wanted but TensorFlow already
             initialised too few logical CPU devices.
@@ -137,25 +122,21 @@ class MultiWorkerReplicator(
         _take_gpu_share(config)
         device_type, count = _local_devices(replicas_per_worker)
         self._transport = transport_lib.choose(replicas_per_process=count)
-        # Read by CollectiveAllReduceExtended; see
-        # base.next_collective_key_base. Counted among multi-worker
-        # replicators only: a LocalReplicator made on one worker alone (a
-        # one-device reference, say) does not shift the others' keys.
+        # Read by CollectiveAllReduceExtended (base.next_collective_key_base);
+        # a LocalReplicator on one worker alone does not shift the keys.
         self._collective_key_base = base.next_collective_key_base(
             multi_worker=True
         )
-        # A dead peer is reported by TensorFlow's coordination service
-        # (heartbeats, 10 s; the error names the lost task); a peer that
-        # never comes up, by the start-up watchdog below. A per-collective
-        # timeout costs a thread per collective (see the docstring): opt-in.
+        # Dead peers: coordination-service heartbeats (10 s, names the task);
+        # peers never up: the start-up watchdog. Per-collective timeout costs
+        # a thread per collective (see the docstring): opt-in.
         options = tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=collective_timeout_seconds
         )
-        # Files and progress bars on the chief only (patches/chief_only),
-        # one all-reduce per step for all of Keras' logs (keras_compat), ...
+        # Chief-only files and progress bars, one all-reduce for logs, ...
         self._install_patches()
-        # TF blocks forever (ignoring SIGTERM) when a peer never comes up;
-        # the watchdog ends the process with an error naming it instead.
+        # TF blocks forever (ignoring SIGTERM) on a peer that never comes up;
+        # the watchdog exits naming it.
         cluster = config.cluster
         me = cluster[config.task_type][config.task_index]
         with startup_watchdog.bounded_startup(cluster, me, timeout_seconds):
@@ -164,8 +145,8 @@ class MultiWorkerReplicator(
             )
         if self._transport.name == transport_lib.MPI:
             mpi_collectives.install(extended, collective_timeout_seconds)
-        # Skip MultiWorkerMirroredStrategy.__init__: it builds its own
-        # extended object, which can only place one replica per CPU worker.
+        # Skip MultiWorkerMirroredStrategy.__init__: its extended object
+        # places only one replica per CPU worker.
         tf.distribute.Strategy.__init__(self, extended)
         process_layout.advise_once(config, device_type, count)
         _say_transport_once(config, self._transport)
@@ -175,17 +156,15 @@ class MultiWorkerReplicator(
     def reduce(self, reduce_op, value, axis=None):
         """Reduces `value` across every replica of every worker.
 
-        Like `tf.distribute.Strategy.reduce`, with two extensions that Keras
-        3's trainer needs (see `patches/keras_compat.py`): `value` may be a
-        nest (each leaf is reduced, in `tf.nest.flatten` order, which is the
-        same on every worker), and a scalar leaf with `axis=0` is reduced
-        across replicas only. The floating scalar per-replica leaves of a
-        nest are reduced together, in one all-reduce per dtype.
+        Like `tf.distribute.Strategy.reduce`, plus what Keras 3's trainer
+        needs (`patches/keras_compat.py`): `value` may be a nest (leaves
+        reduced in `tf.nest.flatten` order, the same on every worker; float
+        scalar leaves in one all-reduce per dtype), and a scalar leaf with
+        `axis=0` is reduced across replicas only.
 
         Args:
             reduce_op: `"SUM"`, `"MEAN"` or a `tf.distribute.ReduceOp`.
-            value: A `tf.distribute.DistributedValues`, a tensor, or a nest
-                of them.
+            value: `tf.distribute.DistributedValues`, tensors, or a nest.
             axis: The dimension to reduce within each replica, or `None`.
 
         Returns:
@@ -212,10 +191,9 @@ class MultiWorkerReplicator(
     def transport(self) -> str:
         """`"grpc"` or `"mpi"`: what carries the collectives between processes.
 
-        MPI when `mpiexec` or `srun --mpi` started the job with one replica
-        per process and mpi4py imports, or `KERAS_REPLICATOR_TRANSPORT`
-        forces it; else TensorFlow's gRPC collectives. The chief prints
-        which, and why, when the first replicator is built.
+        MPI when `mpiexec`/`srun --mpi` started one replica per process and
+        mpi4py imports, or `KERAS_REPLICATOR_TRANSPORT` forces it; else gRPC.
+        The chief prints which, and why, at the first replicator.
         """
         return self._transport.name
 
@@ -253,19 +231,16 @@ class MultiWorkerReplicator(
 _said_transport = False
 
 
-# Where a warning of Keras' or TensorFlow's comes from, by the module it
-# is attributed to.
+# Modules that Keras' and TensorFlow's warnings are attributed to.
 _UPSTREAM_MODULES = r"(keras|tensorflow|tf_keras|keras_hub)(\.|$)"
 
 
 def _chief_says_upstream_warnings() -> None:
     """Keeps Keras' and TensorFlow's warnings to the chief's output.
 
-    Every worker runs the same program, so every worker would print the
-    same warning of Keras' or TensorFlow's (`shuffle=True ... ignored`,
-    `Skipping variable loading for optimizer`): the chief prints them once,
-    for the job. The program's own warnings, and this package's, still
-    print on every worker.
+    Otherwise every worker prints the same ones (`shuffle=True ... ignored`,
+    `Skipping variable loading for optimizer`). The program's and this
+    package's warnings still print everywhere.
     """
     warnings.filterwarnings("ignore", module=_UPSTREAM_MODULES)
 
@@ -282,17 +257,13 @@ def _say_transport_once(config, choice) -> None:
 def _check_collectives_configurable(config: cluster_lib.ClusterConfig):
     """Raises if TensorFlow started before its collectives were configured.
 
-    TensorFlow configures cross-worker collectives (and starts this
-    worker's server) only before its runtime starts; otherwise it raises a
-    bare "Collective ops must be configured at program startup".
-
-    Raises:
-        RuntimeError: Naming the cause and the fix.
+    TF configures cross-worker collectives (and starts the server) only
+    before its runtime starts, else raises a bare "Collective ops must be
+    configured at program startup"; this raises a RuntimeError with the fix.
     """
     from keras_replicator._src.upstream import context
 
-    # Configured by an earlier MultiWorkerReplicator here: that one ran
-    # before the first op, and later replicators reuse its set-up.
+    # An earlier MultiWorkerReplicator configured them; reuse its set-up.
     configured = context.context()._collective_leader is not None  # noqa: SLF001
     if configured or not devices_lib.runtime_started():
         return
@@ -330,36 +301,29 @@ def _check_timeout(name: str, value: Any) -> None:
 class _MultiWorkerExtended(_Extended):
     """Places `count` replicas of `device_type` on each worker.
 
-    A replicator created again in a process whose collective server runs
-    already keeps that server as it is. TensorFlow would enable collective
-    ops again (`context.enable_collective_ops`), and its server's
-    `UpdateServerDef` replaces the collective executor manager, with the
-    table of groups the collectives are resolved in. A worker that creates
-    its replicator a moment later than another, and so replaces its
-    manager after the other's first collective (the broadcast of the first
-    variable's initial value) reached it, loses that request: both wait
-    forever, one in `collective_bcast_send`, the other in
-    `collective_bcast_recv`, with the same keys. The same cluster needs
-    no new set-up; the new replicator's groups are new keys in the
-    running manager.
+    A replicator created again keeps an already running collective server.
+    TF would re-enable collective ops (`context.enable_collective_ops`), and
+    `UpdateServerDef` replaces the collective executor manager and its group
+    table. A worker doing so after a peer's first collective (the first
+    variable's initial-value broadcast) reached it loses that request: both
+    wait forever (`collective_bcast_send` / `collective_bcast_recv`, same
+    keys). The new replicator's groups are just new keys in that manager.
     """
 
     def __init__(self, container, resolver, options, device_type, count):
         self._kr_device_type = device_type
         self._kr_count = count
         if _server_running_for(resolver):
-            # Skips TF's set-up of the server (`_initialize_multi_worker`
-            # checks this attribute) and, as TF does under the
-            # coordination service that set-up started, its health-check
-            # thread and the all-reduce it opens with.
+            # Skips TF's server set-up (`_initialize_multi_worker` checks
+            # this) and, as TF does under the coordination service, its
+            # health-check thread and the all-reduce it opens with.
             self._std_server_started = True
             self._enable_check_health = False
         super().__init__(container, resolver, options)
 
     def _create_variable(self, next_creator, **kwargs):
-        # Eagerly, the chief broadcasts the initial value to every worker:
-        # a collective, watched for a hang like a step (a worker that never
-        # builds the model, or whose collectives went elsewhere).
+        # Eagerly the chief broadcasts the initial value: a collective,
+        # watched for a hang like a step (a worker never building the model).
         name = kwargs.get("name")
         what = "the creation of " + (
             f"variable {name!r}" if name else "a variable"
@@ -371,8 +335,7 @@ class _MultiWorkerExtended(_Extended):
             return super()._create_variable(next_creator, **kwargs)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
-        # TF places one replica per CPU worker (or one per GPU); CPU replicas
-        # on logical devices need their own list.
+        # TF places one replica per CPU worker; logical CPUs need a list.
         del cluster_resolver
         devices = tuple(
             f"{worker_device}/device:{self._kr_device_type}:{i}"
@@ -428,9 +391,8 @@ def _local_devices(replicas_per_worker: int | None) -> tuple[str, int]:
             )
         return "GPU", replicas_per_worker or len(gpus)
     if replicas_per_worker is None:
-        # One CPU replica per worker unless asked (`launch
-        # --replicas-per-worker` sets the variable): workers usually share
-        # hosts' cores already.
+        # One CPU replica unless asked (`launch --replicas-per-worker` sets
+        # the variable): workers usually share a host's cores already.
         replicas_per_worker = (
             devices_lib.default_cpu_replicas()
             if os.environ.get(_CPU_REPLICAS_ENV)

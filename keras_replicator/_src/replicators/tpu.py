@@ -1,7 +1,7 @@
 """TpuReplicator: synchronous replication over the cores of a TPU or pod.
 
-Untested on real TPUs here (no TPU in CI); the static-shape contract it needs
-from the data is tested through XLA on CPU replicas (`tests/test_sharding.py`).
+Untested on real TPUs (none in CI); its static-shape data contract is tested
+through XLA on CPU replicas (`tests/test_sharding.py`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import tensorflow as tf
 from keras_replicator._src.core import devices
 from keras_replicator._src.replicators import base
 
-# Where a TPU is, without TensorFlow: `kr.auto()` and `keras-replicator env`
-# ask before anything imports it.
+# Finds a TPU without TensorFlow, for `kr.auto()` and `keras-replicator env`.
 find_tpu = devices.find_tpu
 
 # Where a TPU is looked for, in order; named in the error when none is found.
@@ -27,20 +26,10 @@ _LOOKED_FOR = (
 def resolver_for(
     tpu: str | tf.distribute.cluster_resolver.TPUClusterResolver | None,
 ) -> tf.distribute.cluster_resolver.TPUClusterResolver:
-    """Makes the `TPUClusterResolver` for a `tpu` argument.
+    """Makes the `TPUClusterResolver` for a `tpu` argument (see TpuReplicator).
 
-    Args:
-        tpu: `None` (find one: TPU_NAME, Colab, a TPU VM), `"local"`, a
-            Cloud TPU or pod name, a `grpc://host:port` address, or a
-            `TPUClusterResolver`.
-
-    Returns:
-        A `tf.distribute.cluster_resolver.TPUClusterResolver`.
-
-    Raises:
-        TypeError: If `tpu` is of another type.
-        RuntimeError: If `tpu` is `None` and no TPU is found, or the
-            resolver can't find the named TPU.
+    Raises TypeError for another type, RuntimeError if no TPU is found or
+    the named one can't be resolved.
     """
     resolver_cls = tf.distribute.cluster_resolver.TPUClusterResolver
     if isinstance(tpu, resolver_cls):
@@ -69,16 +58,16 @@ def resolver_for(
 class TpuReplicator(base.ReplicatorMixin, tf.distribute.TPUStrategy):
     """Replicates Keras and TensorFlow code over TPU cores (Colab, VM, pod).
 
-    The paper's `TpuReplicator`: a `tf.distribute.TPUStrategy` that finds
-    the TPU, connects to it and initialises the TPU system. Every step is
-    XLA-compiled, so batches need static shapes: `replicator.distribute`
-    gives them by default here (training drops the remainder, evaluation
-    pads and masks it), with one input pipeline per TPU host.
+    The paper's `TpuReplicator`: a `tf.distribute.TPUStrategy` that finds,
+    connects to and initialises the TPU. Steps are XLA-compiled, so batches
+    need static shapes: `replicator.distribute` gives them by default
+    (training drops the remainder, evaluation pads and masks it), with one
+    input pipeline per TPU host.
 
     Args:
         tpu: `None` (default: TPU_NAME, then a Colab TPU, then a TPU VM's
-            local chips), `"local"`, a TPU or pod name, a `grpc://` address,
-            or a `TPUClusterResolver`.
+            local chips), `"local"`, a TPU or pod name, a `grpc://host:port`
+            address, or a `TPUClusterResolver`.
 
     Raises:
         RuntimeError: If no TPU is found or it can't be initialised.
@@ -90,8 +79,7 @@ class TpuReplicator(base.ReplicatorMixin, tf.distribute.TPUStrategy):
     def __init__(self, tpu=None):
         resolver = resolver_for(tpu)
         if resolver.master() not in ("", "local"):
-            # Remote TPU workers (Colab, named TPUs, pods) run the graph; a
-            # TPU VM's own chips need no connection.
+            # Only remote TPU workers (Colab, named TPUs, pods) need connecting.
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
         # Exact evaluation of padded batches (patches/exact_eval), ...
