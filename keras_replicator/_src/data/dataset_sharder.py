@@ -1,18 +1,14 @@
 """The dataset sharder: shards, shuffles and batches unbatched examples.
 
-`shard()` turns a dataset of single examples (or a function building one) into
-an input function for `tf.distribute.Strategy.distribute_datasets_from_function`
-that yields per-replica batches. It settles what users of `tf.distribute` get
-wrong by hand:
-
-* Global batch semantics: each replica gets `global_batch_size / replicas`.
-* Explicit sharding across input pipelines (workers, or TPU hosts): by file
-  when every pipeline gets at least one file, by element otherwise; never
-  `AutoShardPolicy.AUTO`'s silent fallback.
-* Equal step counts on every pipeline, so an uneven split never leaves one
-  worker waiting in a collective for another that has run out of data.
-* Static shapes (the TPU contract): training drops the remainder; evaluation
-  pads the last batch and masks the padding with sample weight 0.
+`shard()` turns a dataset of single examples (or a function building one)
+into an input function of per-replica batches for
+`distribute_datasets_from_function`, with: each replica getting
+`global_batch_size / replicas`; explicit sharding over pipelines (workers or
+TPU hosts), by file when each gets a file, else by element, never
+`AutoShardPolicy.AUTO`'s silent fallback; equal step counts on every
+pipeline, so no worker waits in a collective for one out of data; static
+shapes (the TPU contract): training drops the remainder, evaluation pads the
+last batch and masks the padding with sample weight 0.
 """
 
 from __future__ import annotations
@@ -47,15 +43,14 @@ def shard(
 ) -> ShardedInput:
     """Makes an input function that shards, shuffles and batches examples.
 
-    The result is what `strategy.distribute_datasets_from_function` and
-    `replicator.replicate` take; `replicator.distribute(...)` wraps it into a
-    distributed dataset for `model.fit` and `model.evaluate`.
+    `strategy.distribute_datasets_from_function` and `replicator.replicate`
+    take the result; `replicator.distribute(...)` makes it a distributed
+    dataset for `model.fit` and `model.evaluate`.
 
-    In eval mode every element becomes `(x, y, sample_weight)`: the
-    example's own weight (or 1) for real examples, 0 for padding. Under a
-    replicator, Keras `evaluate` then counts every example exactly once for
-    the loss and every compiled metric, weighted or not; custom loops must
-    weight by `sample_weight` themselves.
+    In eval mode elements become `(x, y, sample_weight)`: the example's
+    weight (or 1), 0 for padding. Keras `evaluate` under a replicator then
+    counts every example once for the loss and every metric; custom loops
+    must weight by `sample_weight` themselves.
 
     Example:
     ```python
@@ -66,23 +61,20 @@ def shard(
     ```
 
     Args:
-        dataset_or_input_fn: A `tf.data.Dataset` of single, unbatched
-            examples in a deterministic order, or a function taking a
-            `tf.distribute.InputContext` and returning one. If the function
-            reads `ctx.input_pipeline_id` or `ctx.num_input_pipelines` (as
-            `tfds.load` does with `tfds.ReadConfig(input_context=ctx)`) it is
-            trusted to shard its dataset itself; otherwise its dataset is
-            sharded here, like a dataset. Under `AsyncReplicator` pass a
+        dataset_or_input_fn: A `tf.data.Dataset` of unbatched examples in
+            a deterministic order, or a function of a
+            `tf.distribute.InputContext` returning one. A function reading
+            `ctx.input_pipeline_id` or `ctx.num_input_pipelines` (as
+            `tfds.ReadConfig(input_context=ctx)` does) shards itself; other
+            results are sharded here. Under `AsyncReplicator` pass a
             function: its workers build their pipelines in tf.functions.
         global_batch_size: Examples per step over all replicas and workers.
-        shuffle_seed: Shuffles training examples (within each input
-            pipeline's shard) with this seed: the same order on every run, a
-            different order each epoch. `None` (default) keeps the dataset's
-            order. Eval mode never shuffles.
-        static_shapes: Every batch gets a fully known static shape: training
-            drops the last partial batch, evaluation pads it. Defaults to
-            `True` under a `TPUStrategy` (the strategy in scope when `shard`
-            is called), else `False`.
+        shuffle_seed: Seed to shuffle training examples within each
+            pipeline's shard: the same order every run, a new one each
+            epoch. `None` (default) keeps the order; eval never shuffles.
+        static_shapes: Give every batch a fully known shape (training drops
+            the last partial batch, eval pads it). Defaults to `True` under
+            a `TPUStrategy` in scope at the call, else `False`.
         mode: `"train"` or `"eval"`. Defaults to `"train"`.
         shuffle_buffer_size: Shuffle buffer, in examples. Defaults to 10,000.
 
@@ -92,12 +84,12 @@ def shard(
 
     Raises:
         ValueError: If `mode` is unknown, a size is not a positive integer,
-            or `global_batch_size` is not divisible by the replicas of the
-            strategy in scope; when called by a `ParameterServerStrategy`'s
-            own `distribute_datasets_from_function`, if the source is a
-            dataset rather than a function (give the result to `model.fit`
-            or use `replicator.distribute` instead).
-        TypeError: If `dataset_or_input_fn` is neither a dataset nor callable.
+            or `global_batch_size` does not divide over the replicas in
+            scope; when a `ParameterServerStrategy`'s own
+            `distribute_datasets_from_function` calls it on a dataset (give
+            the result to `model.fit` or use `replicator.distribute`).
+        TypeError: If `dataset_or_input_fn` is neither a dataset nor
+            callable, or `shuffle_seed` is not an integer.
     """
     if mode not in _MODES:
         raise ValueError(
@@ -135,10 +127,9 @@ def shard(
 class ShardedInput:
     """An input function of per-replica batches; made by `shard()`.
 
-    Call it with a `tf.distribute.InputContext` (as
-    `distribute_datasets_from_function` does, once per input pipeline) to
-    get that pipeline's dataset. Every pipeline yields the same number of
-    steps.
+    Call it with a pipeline's `tf.distribute.InputContext` (as
+    `distribute_datasets_from_function` does) for that pipeline's dataset;
+    every pipeline yields the same number of steps.
 
     Attributes:
         global_batch_size: Examples per step over all replicas.
@@ -169,8 +160,8 @@ class ShardedInput:
         # Whether the last pipeline built pads its eval batches (weight 0).
         self.padded_eval = False
         self._buffer = shuffle_buffer_size
-        # Examples per pipeline, by pipeline count; counted once and shared
-        # by every call (TPU pods build every host's pipeline in one process).
+        # Examples per pipeline by pipeline count, shared by every call (TPU
+        # pods build every host's pipeline in one process).
         self._counts: dict[int, list[int]] = {}
         self._lock = threading.Lock()
         self.policies: dict[int, str] = {}
@@ -225,8 +216,8 @@ class ShardedInput:
             counts = self._pipeline_counts(ctx)
             steps = _equal_steps(counts, per_pipeline, self.mode)
         elif (examples := _known_cardinality(dataset)) is not None:
-            # Known for free: lets `take` end the padding, and Keras know the
-            # number of steps (no "ran out of data" warning).
+            # Free: lets `take` end the padding, and Keras know the steps
+            # (no "ran out of data" warning).
             if self.mode == "train" and self.static_shapes:
                 steps = examples // per_pipeline
             else:
@@ -238,16 +229,13 @@ class ShardedInput:
         else:
             dataset = _eval_batches(dataset, per_pipeline, steps, padded)
         whole_steps = self.static_shapes or padded
-        # Known steps, also with a partial last batch: Keras then never calls
-        # its train function on the exhausted iterator. That call's update
-        # ops do not wait for the end-of-data error, so they may or may not
-        # run first: the optimizer's `iterations` grew by one at an epoch's
-        # end, or not, depending on thread timing (a resumed run then ended
-        # 1e-4 to 1e-3 from an uninterrupted one).
+        # Known steps (a partial last batch too) keep Keras from calling its
+        # train function on the exhausted iterator, whose update ops race
+        # the end-of-data error: `iterations` grew by one at an epoch's end
+        # or not (a resumed run ended 1e-4 to 1e-3 off an uninterrupted one).
         self.steps_per_epoch = steps
         if per_pipeline != per_replica:
-            # The pipeline batches a whole step first so that every local
-            # replica gets a batch on every step, then splits it.
+            # Batch a whole step, then split it: every local replica gets one.
             dataset = dataset.rebatch(per_replica, drop_remainder=whole_steps)
         if steps is not None and whole_steps:
             dataset = dataset.apply(
@@ -266,9 +254,9 @@ class ShardedInput:
             tf.distribute.get_strategy(),
             tf.distribute.experimental.ParameterServerStrategy,
         ):
-            # Its workers run input functions as tf.functions; a dataset
-            # made on the chief fails there with "Failed copying input
-            # tensor ... Unable to parse tensor proto".
+            # Its workers run input functions as tf.functions, where a chief's
+            # dataset fails: "Failed copying input tensor ... Unable to parse
+            # tensor proto".
             raise ValueError(
                 "Under a parameter-server strategy each worker builds its "
                 "own input pipeline in a tf.function, which cannot capture "
@@ -384,9 +372,8 @@ def _equal_steps(counts: list[int], batch: int, mode: str) -> int:
 def _known_cardinality(dataset: tf.data.Dataset) -> int | None:
     """The number of examples if known without reading them, else None.
 
-    Also None while tracing: `ParameterServerStrategy` (AsyncReplicator)
-    calls input functions inside a `tf.function`, where the cardinality is
-    a symbolic tensor.
+    None while tracing too: `ParameterServerStrategy` calls input functions
+    in a `tf.function`, where the cardinality is symbolic.
     """
     cardinality = tf.get_static_value(dataset.cardinality())
     if cardinality is None or cardinality < 0:
@@ -477,15 +464,14 @@ def distribute(
     """`shard()` for `strategy`, as a distributed dataset.
 
     Args:
-        strategy: The strategy (replicator) the dataset feeds.
+        strategy: The replicator the dataset feeds.
         dataset_or_input_fn: As for `shard`.
         global_batch_size: As for `shard`.
-        **options: `shuffle_seed`, `static_shapes`, `mode`,
-            `shuffle_buffer_size`, as for `shard`.
+        **options: `shard`'s keyword arguments.
 
     Returns:
-        A distributed dataset (`distribute_datasets_from_function`, one
-        pipeline per worker or TPU host, prefetched to the devices).
+        `distribute_datasets_from_function`'s dataset: one pipeline per
+        worker or TPU host, prefetched to the devices.
     """
     with strategy.scope():
         input_fn = shard(dataset_or_input_fn, global_batch_size, **options)
@@ -496,14 +482,11 @@ def distribute(
     if input_fn.steps_per_epoch is not None and hasattr(
         distributed, "_cardinality"
     ):
-        # TF reports the cardinality of the pipeline's dataset, which counts
-        # per-replica batches (or is unknown); Keras reads it as steps,
-        # expects too many (or learns the number by running out), and calls
-        # its train function once more than there are steps: see
-        # `ShardedInput.__call__`. Report steps instead.
+        # TF reports the pipeline's cardinality in per-replica batches (or
+        # unknown); Keras reads it as steps and calls its train function
+        # once too often (see `ShardedInput.__call__`). Report steps.
         distributed._cardinality = input_fn.steps_per_epoch  # noqa: SLF001
     if input_fn.padded_eval:
-        # Keras evaluate leaves this dataset's padding out; see
-        # patches/exact_eval.py.
+        # Keras evaluate leaves the padding out (patches/exact_eval.py).
         markers.mark_padded(distributed)
     return distributed

@@ -1,18 +1,16 @@
 """How to split a source dataset across input pipelines: by file or element.
 
-`tf.data`'s own `AutoShardPolicy.AUTO` tries file sharding and silently falls
-back to element sharding (or, with `FILE` and fewer files than workers, hands
-some workers nothing at all). Here the choice is made explicitly: count the
-files the dataset reads, then shard by file when every pipeline gets at least
-one, by element otherwise.
+`AutoShardPolicy.AUTO` silently falls back from file to element sharding
+(`FILE` with fewer files than workers gives some nothing). Here we count the
+files read and shard by file when every pipeline gets one, else by element.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-# TF's graph rewriter is what `experimental_distribute_dataset` itself uses to
-# shard by file; there is no public op that inserts a shard before the reader.
+# TF's graph rewriter, as `experimental_distribute_dataset` uses to shard by
+# file; no public op inserts a shard before the reader.
 from keras_replicator._src.upstream import (
     tf_data_distribute as _tfdata_distribute,
 )
@@ -31,8 +29,7 @@ _READER_OPS = frozenset(
         "ArrayRecordDataset",
     }
 )
-# Datasets that map each element of their input to a dataset (a file to its
-# records) through the function in attribute `f`.
+# Datasets mapping each input element (a file) to a dataset via attr `f`.
 _FANOUT_OPS = frozenset(
     {
         "FlatMapDataset",
@@ -60,17 +57,11 @@ _PASS_THROUGH_OPS = frozenset(
 def count_files(dataset: tf.data.Dataset) -> int | None:
     """Counts the files a dataset reads, from its serialized graph.
 
-    Recognises readers given a file list (`tf.data.TFRecordDataset(files)`)
-    and file lists fanned out to readers
-    (`Dataset.from_tensor_slices(files).interleave(TFRecordDataset)`, and
-    `Dataset.list_files`, which lists its files eagerly).
-
-    Args:
-        dataset: A `tf.data.Dataset`.
-
-    Returns:
-        The number of files, or `None` when the dataset reads no files that
-        can be counted (tensors in memory, generators, unknown readers).
+    Recognises readers given a file list (`TFRecordDataset(files)`) and
+    file lists fanned out to readers (`from_tensor_slices(files)
+    .interleave(TFRecordDataset)`, and `list_files`, which lists eagerly).
+    None when no countable files are read (tensors in memory, generators,
+    unknown readers).
     """
     try:
         graph = tf.compat.v1.GraphDef.FromString(
@@ -94,7 +85,7 @@ def count_files(dataset: tf.data.Dataset) -> int | None:
         return False
 
     def source_size(name):
-        # Walks from a fan-out's input up to the file list it fans out.
+        # From a fan-out's input up to its file list.
         node = nodes.get(_node_name(name))
         while node is not None and node.op in _PASS_THROUGH_OPS:
             node = nodes.get(_node_name(node.input[0]))
@@ -134,15 +125,10 @@ def choose_policy(num_files: int | None, num_pipelines: int) -> str:
 def shard_source(
     dataset: tf.data.Dataset, num_pipelines: int, pipeline_id: int
 ) -> tuple[tf.data.Dataset, str]:
-    """Keeps one pipeline's part of `dataset`.
+    """`(shard, policy)`: pipeline `pipeline_id`'s part of `dataset`.
 
-    Args:
-        dataset: Unbatched examples, in a deterministic order.
-        num_pipelines: The number of input pipelines (usually workers).
-        pipeline_id: This pipeline's index, `0 <= pipeline_id < num_pipelines`.
-
-    Returns:
-        `(dataset, policy)`: the shard, and `FILE` or `ELEMENT`.
+    `dataset` holds unbatched examples in a deterministic order; `policy` is
+    `FILE` or `ELEMENT`.
     """
     if num_pipelines == 1:
         return dataset, ELEMENT

@@ -1,19 +1,17 @@
 """Examples sharded over the workers of an AsyncReplicator.
 
 `AsyncReplicator.distribute(examples, global_batch_size)` (and
-`kr.data.shard(...)` given to `fit` under an AsyncReplicator) follow
-TensorFlow's parameter-server convention: every step runs on ONE worker and
-takes `global_batch_size` examples (split over that worker's replicas, its
-GPUs); the examples are sharded by element across the workers, so worker
-`i` of `W` reads every `W`-th example from the `i`-th; each worker repeats
-its shard forever, and the coordinator decides how many steps an epoch has.
-With a known number of examples `N`, an epoch is `N // global_batch_size`
-steps (as many updates of as many examples as one synchronous epoch).
+`kr.data.shard(...)` given to `fit` under it) follow TensorFlow's
+parameter-server convention: each step runs on ONE worker and takes
+`global_batch_size` examples, split over its replicas (GPUs). Worker `i` of
+`W` reads every `W`-th example from the `i`-th and repeats its shard
+forever; the coordinator decides an epoch's steps: `N // global_batch_size`
+for `N` known examples, as in one synchronous epoch.
 
-A dataset made on the coordinator cannot be captured by the workers'
-dataset function (TensorFlow fails with "Unable to parse tensor proto"),
-so it is serialized to a graph once, here, and rebuilt on every worker (as
-`ClusterCoordinator.create_per_worker_dataset` does for a whole dataset).
+The workers' dataset function cannot capture a coordinator's dataset
+("Unable to parse tensor proto"), so it is serialized to a graph once and
+rebuilt on every worker (as `ClusterCoordinator.create_per_worker_dataset`
+does for a whole dataset).
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ import tensorflow as tf
 
 from keras_replicator._src.core import validation
 
-# Private, but what `create_per_worker_dataset` itself uses to send a
-# coordinator's dataset to the workers; there is no public equivalent.
+# Private, but what `create_per_worker_dataset` uses; no public equivalent.
 from keras_replicator._src.upstream import ps_values as _ps_values
 
 _MODES = ("train", "eval")
@@ -35,32 +32,17 @@ _MODES = ("train", "eval")
 class WorkerShardedInput:
     """Unbatched examples for an AsyncReplicator's `fit`/`evaluate`.
 
-    Made by `AsyncReplicator.distribute`, or from `kr.data.shard(...)`'s
-    result by `from_sharded_input`. `model.fit`, `evaluate` and `predict`
-    under the AsyncReplicator take it; it is not iterable on the chief.
-
-    Args:
-        source: A `tf.data.Dataset` of single examples, or a function of a
-            `tf.distribute.InputContext` returning one (called on every
-            worker with a context of one input pipeline; the result is then
-            sharded by element over the workers).
-        global_batch_size: Examples of one step on one worker.
-        shuffle_seed: Shuffles each worker's shard with this seed, in a
-            different order each pass; None keeps the order.
-        mode: `"train"` or `"eval"` (elements become `(x, y, weight)`).
-        shuffle_buffer_size: Shuffle buffer, in examples.
-
-    Attributes:
-        global_batch_size: Examples of one step.
-        mode: `"train"` or `"eval"`.
-        examples: The number of examples if known without reading them
-            (a dataset of known cardinality), else None.
-        steps_per_epoch: Steps of one pass over the examples when known:
-            `examples // global_batch_size` in training, rounded up in eval.
-
-    Raises:
-        ValueError: If `mode` or a size is out of range.
-        TypeError: If `source` is neither a dataset nor callable.
+    Made by `AsyncReplicator.distribute`, or by `from_sharded_input` from
+    a `kr.data.shard(...)` result, for `fit`, `evaluate` and `predict`; not
+    iterable on the chief. `source` is a dataset of single examples or a
+    function of an `InputContext` (called on every worker with one
+    pipeline; the result is sharded by element). `global_batch_size` is one
+    step's examples on one worker; `shuffle_seed` reshuffles each shard
+    every pass (None keeps the order); in eval `mode` elements become
+    `(x, y, weight)`. `examples` is the count when the cardinality is known,
+    and `steps_per_epoch` then `examples // global_batch_size` (rounded up
+    in eval). Raises ValueError for a bad `mode` or size, TypeError for a
+    `source` neither a dataset nor callable.
     """
 
     def __init__(
@@ -113,15 +95,8 @@ class WorkerShardedInput:
     ) -> tf.data.Dataset:
         """All the examples, unbatched, in order (rebuilt from the graph).
 
-        Args:
-            ctx: The context for a source function. Defaults to one
-                pipeline and one replica.
-
-        Returns:
-            A `tf.data.Dataset` of single examples.
-
-        Raises:
-            TypeError: If a source function does not return a dataset.
+        `ctx` (default: one pipeline, one replica) is for a source
+        function; TypeError if that returns no dataset.
         """
         if self._graph is not None:
             return _ps_values.deserialize_dataset_from_graph(
@@ -140,17 +115,10 @@ class WorkerShardedInput:
     ) -> tf.data.Dataset:
         """This worker's shard as per-replica batches, repeated forever.
 
-        Call it on a worker, in the dataset function of
-        `ClusterCoordinator.create_per_worker_dataset`: the worker's index
-        is read there (`experimental_get_current_worker_index`).
-
-        Args:
-            ctx: The `tf.distribute.InputContext` of the worker's pipeline;
-                its replicas split each step's batch.
-            num_workers: The number of worker tasks.
-
-        Returns:
-            A `tf.data.Dataset` of per-replica batches, infinite.
+        Call it in `ClusterCoordinator.create_per_worker_dataset`'s dataset
+        function on a worker, which reads its index there
+        (`experimental_get_current_worker_index`). `ctx`'s replicas split
+        each step's batch.
         """
         dataset = self.examples_dataset(
             tf.distribute.InputContext(
@@ -174,11 +142,8 @@ class WorkerShardedInput:
     def local_dataset(self) -> tf.data.Dataset:
         """Every example once, in order, in batches, on the coordinator.
 
-        What exact evaluation and prediction run on: no sharding and no
-        padding (one process, one pass), the last batch may be short.
-
-        Returns:
-            A finite `tf.data.Dataset` of batches.
+        For exact evaluation and prediction: no sharding or padding (one
+        process, one pass); the last batch may be short.
         """
         dataset = self.examples_dataset()
         if self.mode == "eval":
@@ -187,14 +152,7 @@ class WorkerShardedInput:
 
     @classmethod
     def from_sharded_input(cls, sharded: Any) -> WorkerShardedInput:
-        """The same examples and options as a `kr.data.shard` result.
-
-        Args:
-            sharded: A `ShardedInput` (what `kr.data.shard` returns).
-
-        Returns:
-            A `WorkerShardedInput`.
-        """
+        """The same examples and options as `sharded`, a `ShardedInput`."""
         return cls(
             sharded.source,
             sharded.global_batch_size,

@@ -1,9 +1,8 @@
 """`keras.distribution` on TensorFlow, switched on by `import keras_replicator`.
 
-See `runtime.py` (a distribution runs on a replicator) and, below the
-patches, `sharding/sharded.py` (variables stored in blocks) and
-`sharding/layout.py` (which block lives where); the Keras hooks are the
-patches `keras_distribution` and `sharded_variables`.
+See `runtime.py` (a distribution runs on a replicator), `sharding/sharded.py`
+(variables in blocks) and `sharding/layout.py` (which block lives where);
+the Keras hooks are the patches `keras_distribution` and `sharded_variables`.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ from keras_replicator._src.sharding import sharded
 def enable() -> None:
     """Fills Keras' TensorFlow distribution hooks (idempotent).
 
-    The patches not installed by a replicator: `keras.distribution` is
-    used before any replicator exists, and a backup is found by fits under
-    none (`backup_guard`).
+    Installed here, not by a replicator: `keras.distribution` is used
+    before one exists, and fits under none find backups (`backup_guard`).
     """
     keras_distribution.set_replicator_factory(runtime.replicator_for)
     processes.set_replicator_factory(runtime.process_replicator)
@@ -39,12 +37,11 @@ def enable() -> None:
 def shard_shapes(variable: Any) -> dict[str, tuple[int, ...]]:
     """Where a variable lives: `{device name: the shape stored there}`.
 
-    The TensorFlow counterpart of JAX's `variable.value.sharding`. Under
-    `keras.distribution.ModelParallel`, a variable its layout map splits
-    shows its block's shape on every device of the mesh; a replicated one
-    (`DataParallel`, a plain replicator, or a variable no layout names)
-    shows its full shape on every device that holds a copy. Device names
-    are `keras.distribution.list_devices()`'s (`"cpu:0"`, `"gpu:1"`).
+    TensorFlow's counterpart of JAX's `variable.value.sharding`. A variable
+    split by a `ModelParallel` layout map shows its block's shape on every
+    mesh device; a replicated one (`DataParallel`, a plain replicator, no
+    layout) its full shape on every device holding a copy. Device names are
+    `keras.distribution.list_devices()`'s (`"cpu:0"`, `"gpu:1"`).
 
     Example:
     ```python

@@ -1,29 +1,24 @@
 """Which process this is: `kr.process_index()`, `process_count()`, `is_chief()`.
 
-Keras keeps `num_processes()` and `process_id()` in its backend
-(`keras.src.backend.distribution_lib`); `keras.distribution` does not
-export them. These three are the public way to ask, under
-`keras.distribution` and under the replicators alike. The first source
-that applies answers:
+Keras keeps `num_processes()` and `process_id()` unexported in
+`keras.src.backend.distribution_lib`; these are the public way to ask, under
+`keras.distribution` and the replicators alike. The first source that
+applies answers:
 
-1. `keras.distribution.initialize()` joined several processes
-   (`processes.py`): its count, this process's index (Keras'
-   `process_id`, the order of `list_devices()`) and its chief.
-2. A replicator is the current strategy (inside `replicator.scope()`, or
-   the one a `keras.distribution` distribution runs on): its
-   `worker_index`, `num_workers` and `is_chief`. Under an
-   `AsyncReplicator` the chief alone runs the program (its workers and
-   parameter servers run the steps it sends): 0, 1 and True.
-3. A launcher described a cluster: `TF_CONFIG` (`keras-replicator
-   launch`, `kr.launch`, Kubernetes), or Slurm's or mpiexec's variables.
-   They are read without connecting, so the answer is right before the
-   replicator or `initialize()` exists, and outside `replicator.scope()`.
-   (A `MultiWorkerReplicator` given its cluster by `cluster=` alone, with
-   none of these set, answers inside its scope only.)
-4. Otherwise this is the only process: 0, 1 and True.
+1. `keras.distribution.initialize()` joined processes (`processes.py`):
+   its count, Keras' `process_id` (the order of `list_devices()`), chief.
+2. The current strategy is a replicator (in `replicator.scope()`, or under a
+   `keras.distribution` distribution): its `worker_index`, `num_workers`,
+   `is_chief`; 0, 1, True under an `AsyncReplicator`, whose chief alone
+   runs the program (workers and parameter servers run the steps it sends).
+3. A launcher's cluster: `TF_CONFIG` (`keras-replicator launch`,
+   `kr.launch`, Kubernetes) or Slurm's or mpiexec's variables, read without
+   connecting, so right before a replicator or `initialize()` exists and
+   outside scopes. (A `MultiWorkerReplicator` given only `cluster=` answers
+   inside its scope only.)
+4. Otherwise the only process: 0, 1, True.
 
-Reading them runs no TensorFlow op and no collective: any process may ask
-at any time, alone, before `initialize()` too.
+No TensorFlow op or collective runs: any process may ask at any time.
 """
 
 from __future__ import annotations
@@ -37,9 +32,8 @@ from keras_replicator._src.cluster import config as cluster_lib
 from keras_replicator._src.cluster import discovery
 from keras_replicator._src.distribution import processes
 
-# Tasks that run the program in step with the others; a parameter server,
-# an evaluator, or any task of a parameter-server cluster but its chief,
-# runs on its own.
+# Tasks running in step; a ps, an evaluator, or any non-chief task of a
+# parameter-server cluster runs on its own.
 _STEP_JOBS = ("chief", "worker")
 
 
@@ -91,17 +85,13 @@ def _from_environment() -> _Process:
 def process_index() -> int:
     """This process's index among the processes that run the program.
 
-    From 0; the chief is 0. It is Keras' `process_id` after
-    `keras.distribution.initialize()` (the order in which
-    `keras.distribution.list_devices()` lists the processes' devices and
-    in which `Distribution.distribute_dataset` cuts each batch), and
-    `replicator.worker_index` under a replicator. In a launched process
-    (`keras-replicator launch`, `kr.launch`, `TF_CONFIG`, Slurm,
-    mpiexec) it is right from the first line of the script; in a process
-    of its own it is 0. Under an `AsyncReplicator`, where only the chief
-    runs the program, it is 0.
-
-    Reading it runs no TensorFlow op and no collective.
+    The chief is 0. Keras' `process_id` after
+    `keras.distribution.initialize()` (the order of the processes' devices
+    in `list_devices()` and of `Distribution.distribute_dataset`'s batch
+    cuts), `replicator.worker_index` under a replicator. Right from a
+    launched script's first line (`keras-replicator launch`, `kr.launch`,
+    `TF_CONFIG`, Slurm, mpiexec); 0 alone or under an `AsyncReplicator`.
+    Runs no TensorFlow op or collective.
 
     Example:
     ```python
@@ -123,13 +113,11 @@ def process_index() -> int:
 def process_count() -> int:
     """The number of processes that run the program together.
 
-    The processes `keras.distribution.initialize()` joined (Keras'
-    `num_processes`), or `replicator.num_workers` under a replicator, or
-    those of the cluster a launcher described (`keras-replicator launch`,
-    `kr.launch`, `TF_CONFIG`, Slurm, mpiexec); 1 in a process of its own
-    and under an `AsyncReplicator`, whose chief alone runs the program.
-
-    Reading it runs no TensorFlow op and no collective.
+    Keras' `num_processes` after `keras.distribution.initialize()`,
+    `replicator.num_workers` under a replicator, or the launcher's cluster
+    size (`keras-replicator launch`, `kr.launch`, `TF_CONFIG`, Slurm,
+    mpiexec); 1 alone or under an `AsyncReplicator`, whose chief alone runs
+    the program. Runs no TensorFlow op or collective.
 
     Example:
     ```python
@@ -151,16 +139,13 @@ def process_count() -> int:
 def is_chief() -> bool:
     """Whether this process is the chief: True on exactly one process.
 
-    The chief is the `"chief"` task if the cluster has one, else worker 0
-    (process 0 after `keras.distribution.initialize()`, rank 0 under
-    Slurm or mpiexec). It is `replicator.is_chief` under a replicator, and
-    the process that writes the files `fit`'s callbacks write once
-    (`ModelCheckpoint`'s, TensorBoard's logs). True in a process of its
-    own.
-
-    Reading it runs no TensorFlow op and no collective. A call that every
-    process must make (`model.save` of sharded weights gathers them from
-    every process) must not sit under `if kr.is_chief():`.
+    The `"chief"` task if any, else worker 0 (process 0 after
+    `keras.distribution.initialize()`, rank 0 under Slurm or mpiexec);
+    `replicator.is_chief` under a replicator; the process writing the files
+    `fit`'s callbacks write once (`ModelCheckpoint`, TensorBoard). True
+    alone. Runs no TensorFlow op or collective. Calls every process must
+    make (`model.save` of sharded weights gathers from all) must not sit
+    under `if kr.is_chief():`.
 
     Example:
     ```python

@@ -1,16 +1,13 @@
 """`keras.distribution.initialize()` on TensorFlow: one process per worker.
 
-On JAX, `initialize` connects the processes of a job; every later mesh
-spans all of their devices. Here it finds (or builds) the cluster, starts
-this process's TensorFlow server through a `MultiWorkerReplicator` (which
-must happen before TensorFlow runs its first op) and records the
-process count, this process's index and the devices of every worker, so
+On JAX, `initialize` connects a job's processes and later meshes span all
+their devices. Here it finds (or builds) the cluster, starts this process's
+TensorFlow server via a `MultiWorkerReplicator` (before TensorFlow's first
+op) and records the process count, index and every worker's devices, so
 `list_devices()` is global and `num_processes()`/`process_id()` are real.
-
-No collective runs in `initialize`: the arguments are checked first (an
-inconsistent set raises a `ValueError` naming the numbers), then the
-server starts and waits for its peers (bounded by the replicator's
-start-up timeout).
+No collective runs: the arguments are checked first (`ValueError` naming
+the numbers), then the server waits for its peers (bounded by the
+replicator's start-up timeout).
 """
 
 from __future__ import annotations
@@ -26,13 +23,7 @@ from keras_replicator._src.core import validation
 
 @dataclasses.dataclass(frozen=True)
 class Processes:
-    """The processes `initialize` joined.
-
-    Attributes:
-        cluster: The validated `ClusterConfig`.
-        replicas_per_worker: Devices (replicas) of each process.
-        device_type: `"cpu"` or `"gpu"`.
-    """
+    """The processes `initialize` joined, with their device count and type."""
 
     cluster: cluster_lib.ClusterConfig
     replicas_per_worker: int
@@ -70,8 +61,8 @@ class Processes:
 _state: list[Processes] = []
 # The replicator `initialize` made (it started this process's server).
 _replicators: list[Any] = []
-# `cluster -> MultiWorkerReplicator`, registered by `api.enable`
-# (`runtime.py`, which makes the replicators, imports this module).
+# `cluster -> MultiWorkerReplicator`, set by `api.enable` (`runtime.py`,
+# which makes replicators, imports this module).
 _factory: Any = None
 
 
@@ -89,13 +80,9 @@ def current() -> Processes | None:
 def cluster_from_arguments(
     job_addresses: Any, num_processes: Any, process_id: Any
 ) -> cluster_lib.ClusterConfig | None:
-    """The cluster Keras' `initialize` arguments describe, checked.
+    """The `ClusterConfig` Keras' `initialize` arguments describe, or None.
 
-    Returns:
-        A `ClusterConfig`, or None for a single process.
-
-    Raises:
-        ValueError: If the arguments are inconsistent, naming them.
+    None for a single process; ValueError naming inconsistent arguments.
     """
     if num_processes is not None:
         validation.check_positive_int("num_processes", num_processes)
@@ -145,10 +132,7 @@ def cluster_from_arguments(
 
 
 def _found_in_environment() -> tuple[int, int] | None:
-    """`(processes, this process)` of a launcher's cluster, or None.
-
-    Read without connecting: from TF_CONFIG, or Slurm's or MPI's variables.
-    """
+    """`(processes, this one)` from TF_CONFIG, Slurm or MPI, or None."""
     found = cluster_lib.detect()
     if found == cluster_lib.TF_CONFIG:
         config = cluster_lib.parse_tf_config(os.environ[cluster_lib.TF_CONFIG])
@@ -164,15 +148,11 @@ def initialize(
 ) -> None:
     """Joins this process to its cluster (see the module docstring).
 
-    Without `job_addresses` the cluster is whatever `keras-replicator
-    launch`, `TF_CONFIG`, Slurm or mpiexec describe (`num_processes` and
-    `process_id`, if given, must agree with it); with none of them the
-    arguments describe it, and without those this is one process and
-    nothing happens.
-
-    Raises:
-        ValueError: If the arguments are inconsistent, or disagree with an
-            earlier call.
+    Without `job_addresses` the cluster is what `keras-replicator launch`,
+    `TF_CONFIG`, Slurm or mpiexec describe (given `num_processes` and
+    `process_id` must agree); else the arguments describe it; without
+    those, one process: nothing happens. Raises ValueError if arguments are
+    inconsistent or disagree with an earlier call.
     """
     found = _found_in_environment() if job_addresses is None else None
     if found is not None:
@@ -207,8 +187,7 @@ def initialize(
             )
         return
     if config is not None and not os.environ.get(cluster_lib.TF_CONFIG):
-        # The rest of the program (TensorFlow's own multi-worker helpers,
-        # this library's) sees the cluster where it looks for one.
+        # So TensorFlow's and our multi-worker helpers find the cluster.
         os.environ[cluster_lib.TF_CONFIG] = config.to_json()
     if _factory is None:
         raise RuntimeError(

@@ -1,20 +1,16 @@
 """A Keras `Distribution` runs on a replicator: one per distribution object.
 
-`keras.distribution.set_distribution(d)` (and `d.scope()`) makes the
-replicator of `d` the current `tf.distribute` strategy
-(`tf.distribute.experimental_set_strategy`), so Keras builds models,
-variables and optimizers under it and `fit`/`evaluate`/`predict` run on
-its replicas, exactly as under `with replicator.scope():`.
-
-- `DataParallel` over a mesh of N devices is `LocalReplicator(devices=...)`
-  over those devices: the same numbers and features.
-- After `keras.distribution.initialize()` joined several processes
-  (`processes.py`), a mesh spans every process's devices and runs on a
-  `MultiWorkerReplicator`; each process feeds its own part of the data,
-  as Keras' `Distribution.distribute_dataset` cuts it.
-- `ModelParallel` is the same replicator (every device computes 1/N of the
-  batch) plus block storage for the variables its layout map splits
-  (`sharding/sharded.py`).
+`keras.distribution.set_distribution(d)` (and `d.scope()`) makes `d`'s
+replicator the current strategy (`tf.distribute.experimental_set_strategy`),
+so models, variables, optimizers and `fit`/`evaluate`/`predict` work as
+under `with replicator.scope():`. `DataParallel` over N devices is
+`LocalReplicator(devices=...)` over them. After
+`keras.distribution.initialize()` joined processes (`processes.py`), a mesh
+spans all their devices on a `MultiWorkerReplicator`, each process feeding
+its part of the data as `Distribution.distribute_dataset` cuts it.
+`ModelParallel` is the same replicator (each device computes 1/N of the
+batch) plus block storage for variables its layout map splits
+(`sharding/sharded.py`).
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ from keras_replicator._src.upstream import (
     tf_data_distribute as _tf_data_distribute,
 )
 
-# Distribution -> its replicator. Weak: a distribution dropped by the user
-# lets its replicator go.
+# Distribution -> replicator; weak, so dropping one frees the other.
 _REPLICATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -46,12 +41,7 @@ def _local_devices() -> list[str]:
 
 
 def check_mesh(mesh) -> list[str]:
-    """The mesh's devices as TensorFlow device names, checked.
-
-    Raises:
-        ValueError: If the mesh names more devices than exist here, or a
-            device that does not exist.
-    """
+    """The mesh's devices as TensorFlow names (ValueError: missing, twice)."""
     names = [str(d) for d in np.asarray(mesh.devices).reshape(-1)]
     available = _local_devices()
     known = {sharded.short_device_name(d) for d in available}
@@ -81,13 +71,9 @@ def check_mesh(mesh) -> list[str]:
 def _check_process_order(mesh, names, available) -> list[str]:
     """A mesh over several processes: every device, in replica order.
 
-    Block `r` of a sharded variable lives on replica `r` of the
-    `MultiWorkerReplicator`, whose replicas are the processes' devices in
-    process order: the mesh's flat order must be that order.
-
-    Raises:
-        NotImplementedError: For a mesh over some of the processes'
-            devices, or in another order.
+    Block `r` of a sharded variable lives on the `MultiWorkerReplicator`'s
+    replica `r`, the processes' devices in process order, so the mesh's flat
+    order must match (else NotImplementedError).
     """
     short = [sharded.short_device_name(d) for d in names]
     if short != [sharded.short_device_name(d) for d in available]:
@@ -104,10 +90,8 @@ def _check_process_order(mesh, names, available) -> list[str]:
 def replicator_for(distribution: Any):
     """The replicator that runs `distribution` (made once per object).
 
-    Raises:
-        NotImplementedError: For a `Distribution` other than `DataParallel`
-            and `ModelParallel`.
-        ValueError: If its mesh does not fit this host's devices.
+    NotImplementedError unless `DataParallel` or `ModelParallel`;
+    ValueError if its mesh does not fit this host's devices.
     """
     if distribution in _REPLICATORS:
         return _REPLICATORS[distribution]
@@ -137,37 +121,30 @@ def replicator_for(distribution: Any):
 class ProcessReplicator(multi_worker.MultiWorkerReplicator):
     """The `MultiWorkerReplicator` of a mesh over several processes.
 
-    Keras feeds each process its own part of every global batch
+    Keras feeds each process its part of every global batch
     (`Distribution.distribute_dataset` cuts it by `process_id`, or the user
-    does with `auto_shard_dataset=False`, as on JAX), so a dataset here is
-    this process's batches: they are split over its replicas in order and
-    never sharded again across workers. Process p's replicas then see
-    the examples of global replicas p * k ... p * k + k - 1, as one device
-    sees the global batch.
+    with `auto_shard_dataset=False`, as on JAX), so datasets here are split
+    over this process's replicas in order, never resharded: process p's
+    replicas see global replicas p * k ... p * k + k - 1's examples.
     """
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Splits this process's batches over its replicas, in order.
 
-        As a replicator splits a batch of unknown size: each replica takes
-        `ceil(batch / replicas)` rows until the batch runs out, so a batch
-        that does not divide (a ragged last one) leaves the last replicas
-        fewer rows, or none. The one process holding the last rows of such
-        a batch splits them by its own count, which may differ from one
-        host's split over every device (13 rows on 2 processes of 2
-        devices are 4, 4 | 3, 2; on 4 devices of one host 4, 4, 4, 1);
-        every replica is weighed by its rows, so the numbers are the same.
+        Each replica takes `ceil(batch / replicas)` rows until the batch
+        runs out, so a ragged batch leaves the last replicas fewer or none.
+        Per-process splits may differ from one host's (13 rows on 2
+        processes of 2 devices: 4, 4 | 3, 2; on 4 devices: 4, 4, 4, 1), but
+        replicas are weighed by rows, so the numbers are the same.
         """
         count = len(self.extended.worker_devices)
-        # The replicators' own split (`experimental_distribute_dataset` of
-        # a `MirroredStrategy` uses it for a batch of unknown size).
+        # `MirroredStrategy`'s split of a batch of unknown size.
         per_replica = _tf_data_distribute._LegacyRebatchDataset(  # noqa: SLF001
             dataset, count
         )
         batches = int(dataset.cardinality())
         if batches >= 0:
-            # Keeps the count `fit` reads its steps from (see
-            # `patches/keras_distribution.py`).
+            # `fit` reads its steps from it (patches/keras_distribution.py).
             per_replica = per_replica.apply(
                 tf.data.experimental.assert_cardinality(batches * count)
             )
@@ -178,7 +155,7 @@ class ProcessReplicator(multi_worker.MultiWorkerReplicator):
 
 def process_replicator(cluster):
     """The `MultiWorkerReplicator` that joins this process to `cluster`."""
-    # Several processes can be the point here (one device per process of a
-    # ModelParallel mesh): no one-process advice.
+    # One device per process can be intended (ModelParallel): no one-process
+    # advice.
     with process_layout.for_keras_distribution():
         return multi_worker.MultiWorkerReplicator(cluster=cluster)

@@ -1,26 +1,19 @@
 """The hang watchdog's backstop: it fires even when no Python thread can run.
 
-The hang watchdog (`hang_watchdog.py`) is a Python thread. Code that blocks
-while holding the GIL (a C extension, a `ctypes.PyDLL` call, a deadlocked
-library) starves it, and a single process has no peer to notice. The
-backstop needs no GIL, no Python thread and no peer:
+Code that blocks holding the GIL (a C extension, a `ctypes.PyDLL` call, a
+deadlocked library) starves the watchdog's Python thread, and a single
+process has no peer to notice. The backstop needs no GIL, Python thread or
+peer: `faulthandler.dump_traceback_later`'s C thread prints every Python
+stack to stderr under a `Timeout (H:MM:SS)!` header, and a few seconds later
+a POSIX timer (`timer_create`, `SIGEV_THREAD`) calls `_exit(76)`
+(`hang_watchdog.EXIT_CODE`) from a new C thread. Without such timers (only
+Linux is supported; macOS has none) `faulthandler` exits itself with 1.
 
-- `faulthandler.dump_traceback_later`, whose C thread prints every
-  thread's Python stack to stderr under a `Timeout (H:MM:SS)!` header;
-- a POSIX timer (`timer_create` with `SIGEV_THREAD`) whose expiry makes a
-  new C thread call `_exit(76)`, `hang_watchdog.EXIT_CODE`, a few seconds
-  after the stacks. Where there are no POSIX timers of that kind (only
-  Linux is supported; macOS has none), `faulthandler` ends the process
-  itself after the stacks, with its own exit code, 1.
-
-The watchdog sets the deadline (later than its own, so it keeps the first
-word whenever it can speak) and moves it as steps finish; arming costs a
-thread start, so a deadline that moves later by less than `slack` stays
-where it was. In an interactive process (a notebook kernel) the backstop
-only prints the stacks.
-
-A process has one `faulthandler.dump_traceback_later`: while a watched
-loop runs, the backstop replaces a program's own use of it.
+The watchdog sets the deadline later than its own and moves it as steps
+finish; arming starts a thread, so a deadline moving later by under `slack`
+stays. In an interactive process it only prints. While a watched loop runs,
+it replaces a program's own use of the process's one
+`faulthandler.dump_traceback_later`.
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ class _Sigevent(ctypes.Structure):
     """Linux's `struct sigevent` (64 bytes) with its `SIGEV_THREAD` fields."""
 
     _fields_ = (
-        # `union sigval`: passed by value to the notify function, which
-        # reads it as its int argument.
+        # `union sigval`, passed by value: the notify function's int arg.
         ("value", ctypes.c_void_p),
         ("signo", ctypes.c_int),
         ("notify", ctypes.c_int),
@@ -65,11 +57,7 @@ class _Itimerspec(ctypes.Structure):
 
 
 class _ExitTimer:
-    """A POSIX timer whose expiry calls `_exit(code)` from a new C thread.
-
-    Raises:
-        OSError: If this platform has no such timers.
-    """
+    """A POSIX timer calling `_exit(code)` from a new C thread; else OSError."""
 
     def __init__(self, code: int):
         if not sys.platform.startswith("linux"):
@@ -105,8 +93,7 @@ class _ExitTimer:
 class _Backstop:
     def __init__(self):
         self.lock = threading.Lock()
-        # The monotonic time of the armed stack dump, and whether it ends
-        # the process; None when not armed.
+        # Monotonic time of the armed dump (None: unarmed); `ends`: exits.
         self.at: float | None = None
         self.ends = False
         self.timer: _ExitTimer | None = None
@@ -135,14 +122,9 @@ _backstop = _Backstop()
 def arm(at: float, slack: float, ends: bool, code: int) -> None:
     """Prints every stack at monotonic time `at`, then exits with `code`.
 
-    Args:
-        at: When (`time.monotonic()`) the stacks are printed.
-        slack: An armed deadline up to this much earlier than `at` is kept
-            (arming starts a thread).
-        ends: Whether the process then ends (`EXIT_DELAY_SECONDS` later,
-            with `code`, or faulthandler's 1 where there is no POSIX
-            timer); False only prints.
-        code: The exit code.
+    An armed deadline up to `slack` earlier than `at` is kept (arming starts
+    a thread). With `ends`, the process exits `EXIT_DELAY_SECONDS` later
+    (with 1, faulthandler's, where there is no POSIX timer).
     """
     with _backstop.lock:
         armed = _backstop.at
@@ -188,7 +170,6 @@ def _stderr_fd() -> int:
         return 2  # A replaced sys.stderr (e.g. captured): the real one.
 
 
-# A process that ends normally while a deadline is armed must not be ended
-# by it during interpreter shutdown.
+# A deadline must not end a process during its normal shutdown.
 atexit.register(cancel)
 os.register_at_fork(after_in_child=_backstop.reset_after_fork)

@@ -1,10 +1,9 @@
 """What the other workers are at, for the hang watchdog's messages.
 
-Each worker's watchdog thread publishes its state (its step, its saves)
-in TensorFlow's coordination-service key-value store, and reads the
-others' when it warns or fires: so a stall warning names the worker that
-lags behind, and a worker waiting for another's save does not count the
-wait as its own hang (`hang_watchdog.py`).
+Each watchdog thread publishes its step and saves in TensorFlow's
+coordination-service key-value store and reads the others' when it warns
+or fires: a warning names the laggard, and waiting for another's save is
+not counted as a hang.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ class Cluster:
         from keras_replicator._src.upstream import context
 
         key = _KEY_PREFIX + self.task
-        # The store never overwrites: delete, then insert. A reader in
-        # between waits for the insert.
+        # The store never overwrites: delete, then insert (readers wait).
         try:
             context.context().delete_config_key_value(key)
         except Exception:  # noqa: BLE001 - no key yet, or no service
@@ -88,10 +86,9 @@ def fresh(state: dict | None, idle: float) -> bool:
 
 
 def peer_progress(peers, idle: float, untimed: float) -> float | None:
-    """Seconds since another worker last was in a save, if within `idle`.
+    """Seconds since another worker was last in a save, if within `idle`.
 
-    A save that has lasted `untimed` seconds no longer counts: it may wait
-    for this very worker.
+    A save lasting `untimed` s no longer counts: it may wait for us.
     """
     now = time.time()
     since = None
@@ -109,10 +106,7 @@ def peer_progress(peers, idle: float, untimed: float) -> float | None:
 
 
 def steps_text(frame, peers, idle: float) -> str:
-    """The steps every worker is at, and who lags, for a message.
-
-    `frame` is the watchdog's frame of this loop (`hang_watchdog._Frame`).
-    """
+    """Every worker's step and who lags; `frame` is a `hang_watchdog._Frame`."""
     if not peers:
         return ""
     steps = {frame.task: frame.steps + 1}

@@ -1,67 +1,46 @@
-"""The hang watchdog: a process whose training stops making progress ends.
+"""The hang watchdog: ends a process whose training stops making progress.
 
-A worker that is alive but stuck (a callback that never returns, a
-deadlocked input pipeline) keeps sending TensorFlow's heartbeats, so
-nothing ends it, and every other worker waits in its next collective
-forever. Under `LocalReplicator` and `MultiWorkerReplicator`, while `fit`,
-`evaluate`, `predict` or a `replicate` step call runs, one daemon thread
-per process (started by the first such loop) watches for progress:
+A worker alive but stuck (a callback that never returns, a deadlocked input
+pipeline) keeps sending TensorFlow's heartbeats, so nothing ends it and the
+others wait in their next collective forever. Under `LocalReplicator` and
+`MultiWorkerReplicator`, one daemon thread per process (started by the first
+watched loop) watches `fit`, `evaluate`, `predict` and `replicate` calls:
 
-- Progress is a batch end whose callbacks returned (Keras' loops), or a
-  `replicate` step call that returned. The time between two step calls
-  is the caller's own code and is not timed.
-- Not timed, up to `UNTIMED_FACTOR` (5) times the timeout: the first
-  step of every loop (tracing and compiling it, up to its callbacks, which
-  are timed), the saves of `BackupAndRestore` and `ModelCheckpoint`, and,
-  on several workers, the time another worker spends in such a save: each
-  worker publishes its saves in TensorFlow's coordination-service
-  key-value store (from this thread, never from the loop), and a worker
-  that waits reads them before it warns or ends. The bound keeps "nothing
-  hangs forever": a save can itself wait in a collective for the worker
-  that is stuck.
-- After `warn_seconds` without progress (the smaller of half the timeout
-  and the larger of 60 s and 10 times the slowest step so far), a stall
-  warning names this task and its step and, on several workers, the step
-  every worker is at (published and read at that moment only), so the
-  worker that lags behind is named.
-- After `seconds` without progress (`KERAS_REPLICATOR_HANG_SECONDS`, or
-  the replicator's `hang_seconds`; default 600; 0 turns it off) the
-  process prints a header with its task and step and every thread's
-  Python stack (`faulthandler`), and exits with `EXIT_CODE` (76), which
-  restart policies (`launch --max-restarts`, Kubernetes, Slurm) take as
-  "start again": training resumes from its backup. In an interactive
-  process (a notebook kernel, `python -i`) it prints the same, then
-  interrupts the loop's thread, and the loop raises a `RuntimeError`; the
-  kernel lives on. An interrupt that lands where Python ignores
-  exceptions (a garbage-collector or weakref callback, a `__del__`) is
-  sent again at once (`_Resend`, a `sys.unraisablehook`), and any
-  interrupt the loop has not acted on is sent again every
-  `_RESEND_SECONDS`, until the loop sees it.
-- A preemption signal (`training/preemption.py`) is acted on at a step
-  end. While one waits for a step end that does not come, the bound is
-  `warn_seconds`, counted from the signal or the end of a save after it
-  (a first step included; a save in progress is not cut short): then the
-  same as at the timeout. Once a step end acts on it, the usual bounds
-  apply (its save is not timed; the exit after it is bounded by the
-  preemption module).
+- Progress is a batch end whose callbacks returned, or a returned
+  `replicate` step call; time between step calls is the caller's, untimed.
+- Bounded at `UNTIMED_FACTOR` (5) timeouts only, since a save can itself
+  wait in a collective for the stuck worker: every loop's first step
+  (tracing, compiling; its callbacks are timed), `BackupAndRestore` and
+  `ModelCheckpoint` saves, and other workers' saves, which each publishes
+  in TensorFlow's coordination-service key-value store (from this thread,
+  never the loop) and reads before it warns or ends.
+- After `warn_seconds` (min of half the timeout and max of 60 s and 10
+  times the slowest step), a stall warning names this task and step and,
+  on several workers, every worker's step, so the laggard is named.
+- After `seconds` (`KERAS_REPLICATOR_HANG_SECONDS` or the replicator's
+  `hang_seconds`; default 600; 0 is off) it prints task, step and every
+  thread's Python stack (`faulthandler`) and exits with `EXIT_CODE` (76),
+  which restart policies (`launch --max-restarts`, Kubernetes, Slurm) take
+  as "start again" (training resumes from its backup). In an interactive
+  process (a notebook kernel, `python -i`) it interrupts the loop's thread
+  instead, which raises a `RuntimeError`. An interrupt landing where Python
+  ignores exceptions (a GC or weakref callback, `__del__`) is resent at once
+  (`_Resend`), and any not acted on every `_RESEND_SECONDS`.
+- A preemption signal (`training/preemption.py`) waits for a step end at
+  most `warn_seconds` from the signal or a later save's end (first steps
+  included; a running save is not cut short), then fires as at the
+  timeout. Once acted on, the usual bounds apply.
 
-Per step a loop only writes a few attributes and reads the monotonic
-clock. The thread wakes about once a second (20 times per timeout for
-timeouts under 20 s). It is a Python thread: code that holds the GIL
-forever (a C extension, a `ctypes.PyDLL` call) stops it. TensorFlow
-releases the GIL while it runs ops and waits in collectives, and so does
-Python while it sleeps or waits; for the rest there is a backstop
-(`hang_backstop.py`) that needs no GIL. It fires `backstop_margin` (the
-larger of 10 s and half the timeout) after the thread would have, so the
-thread keeps the first word whenever it can run: a `Timeout (H:MM:SS)!`
-header and every thread's Python stack from `faulthandler`'s C thread,
-then, 3 s later, exit code 76 from a POSIX timer's C thread (on Linux;
-elsewhere `faulthandler` exits with 1, which `launch --max-restarts`
-restarts as any failure). It is armed and moved as steps finish, and
-stands down where the thread does: the same untimed bounds, nothing
-between two `replicate` calls or outside the loops (the thread disarms
-it within one wake-up of the loop's end). In an interactive process it
-only prints the stacks.
+Per step a loop writes a few attributes and reads the monotonic clock; the
+thread wakes about once a second (20 times per timeout under 20 s). Code
+holding the GIL forever (a C extension, `ctypes.PyDLL`) stops the thread
+(TensorFlow ops and collectives, and Python sleeps and waits, release it),
+so a GIL-free backstop (`hang_backstop.py`) fires `backstop_margin` (max of
+10 s and half the timeout) after the thread would, letting the thread speak
+first when it can. It keeps the thread's bounds, is disarmed within one
+wake-up of a loop's end, and only prints in an interactive process. Where
+it exits with 1 (not Linux), `launch --max-restarts` restarts as on any
+failure.
 """
 
 from __future__ import annotations
@@ -83,51 +62,36 @@ from keras_replicator._src.training import hang_backstop
 from keras_replicator._src.training import hang_peers
 from keras_replicator._src.training import preemption
 
-# sysexits.h EX_PROTOCOL, next to preemption's 75 (EX_TEMPFAIL): "start
-# again", as 75, but counted as a failure by restart policies, so that a
-# run that hangs every time stops being restarted.
+# sysexits.h EX_PROTOCOL: "start again" like 75 (EX_TEMPFAIL), but counted
+# as a failure, so a run that always hangs stops being restarted.
 EXIT_CODE = 76
 DEFAULT_SECONDS = 600.0
 HEADER = "[keras-replicator watchdog]"
-# The stall warning comes after the smaller of half the timeout and the
-# larger of these: a fixed floor and a multiple of the slowest step.
+# Stall warning: min(timeout / 2, max(floor, factor * slowest step)).
 _WARN_FLOOR_SECONDS = 60.0
 _WARN_SLOWEST_FACTOR = 10.0
 # How long a warning waits for other workers to publish their step.
 _SETTLE_SECONDS = 5.0
-# A notebook loop still stuck this long after its interrupt is stuck
-# inside TensorFlow, which no Python exception can reach.
+# A notebook loop stuck this long after its interrupt is inside TensorFlow.
 _INTERRUPT_NOTE_SECONDS = 30.0
-# An interrupt the loop has not acted on by then is sent again: code that
-# catches every exception (`except BaseException`) may have eaten it. Long
-# enough for a loop that did get it to unwind first; a loop stuck inside
-# TensorFlow keeps one pending interrupt however often it is sent.
+# Resend an unheeded interrupt (`except BaseException` may eat it) after
+# this, enough to unwind; one stuck in TensorFlow keeps just one pending.
 _RESEND_SECONDS = 5.0
-# What is not timed (a first step, a save, another worker's save) is
-# bounded at this many timeouts: a save can wait forever in a collective
-# for a stuck worker, and the stuck one must not wait for that save.
+# Bound, in timeouts, on what is untimed (first step, saves): a save can
+# wait forever in a collective for the stuck worker.
 UNTIMED_FACTOR = 5
-# The backstop fires this much after the thread would have: at least the
-# floor, or this fraction of the timeout.
+# The backstop fires max(floor, fraction * timeout) after the thread would.
 _BACKSTOP_FLOOR_SECONDS = 10.0
 _BACKSTOP_FRACTION = 0.5
 _OFF = ("0", "off", "none", "")
 
 
 def resolve_seconds(setting: float | None = None) -> float | None:
-    """The timeout in seconds: `setting`, else the environment, else 600.
+    """The timeout in seconds, or None when off.
 
-    Args:
-        setting: A replicator's `hang_seconds`: None (use
-            `KERAS_REPLICATOR_HANG_SECONDS`, default 600), 0 (off) or a
-            positive number.
-
-    Returns:
-        The timeout, or None when the watchdog is off.
-
-    Raises:
-        ValueError: If `KERAS_REPLICATOR_HANG_SECONDS` is not a
-            non-negative number or "off".
+    `setting` (a replicator's `hang_seconds`: 0 is off), else
+    `KERAS_REPLICATOR_HANG_SECONDS`, else 600. Raises ValueError if the
+    variable is not a non-negative number or "off".
     """
     if setting is not None:
         return float(setting) if setting > 0 else None
@@ -149,11 +113,7 @@ def resolve_seconds(setting: float | None = None) -> float | None:
 
 
 def check_setting(name: str, value: Any) -> None:
-    """Validates a replicator's `hang_seconds` argument.
-
-    Raises:
-        ValueError: Unless `value` is None, 0 or a positive finite number.
-    """
+    """Raises ValueError unless `value` is None, 0 or positive and finite."""
     ok = value is None or (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
@@ -168,11 +128,7 @@ def check_setting(name: str, value: Any) -> None:
 
 
 def interactive() -> bool:
-    """Whether this process is interactive (a notebook kernel, `python -i`).
-
-    There the watchdog raises an error in the loop instead of ending the
-    process.
-    """
+    """Whether this is a notebook kernel or `python -i` (raise, not exit)."""
     if hasattr(sys, "ps1") or sys.flags.interactive:
         return True
     ipython = sys.modules.get("IPython")
@@ -252,16 +208,14 @@ class _Watchdog:
     def push(self, frame: _Frame) -> None:
         self.frames.append(frame)
         if frame.seconds is not None and frame.seconds != self.basis:
-            # A new timeout (rarely: not every step call): the thread may
-            # have to start, or to check more often.
+            # A new timeout (rare): start the thread or check more often.
             self.basis = frame.seconds
             self.start()
             self.wake.set()
         _update_backstop()
 
     def pop(self, frame: _Frame) -> None:
-        # Under the send lock: once a loop has left, no interrupt of its
-        # own is sent after it.
+        # Under the send lock: no interrupt is sent to a loop that left.
         with self.send_lock:
             try:
                 self.frames.remove(frame)
@@ -270,16 +224,13 @@ class _Watchdog:
         if frame.fired is not None:
             _Resend.remove(frame)
         if self.frames:
-            # The enclosing loop's clock starts again (it waited for this
-            # one, e.g. fit for its validation).
+            # Restart the enclosing loop's clock (fit's, after validation).
             outer = self.frames[-1]
             outer.last = time.monotonic()
             outer.warned = False
             _update_backstop()
-        # With no loop left the backstop stays armed (at least the timeout
-        # away) until the thread's next check disarms it: disarming and
-        # arming again at every `replicate` call would cost two thread
-        # starts a call.
+        # No loop left: the backstop stays armed until the thread disarms
+        # it; rearming per `replicate` call costs two thread starts.
 
     def _interval(self) -> float:
         frames = self.frames
@@ -347,8 +298,7 @@ class _Watchdog:
             peers = frame.cluster.read()
             since = hang_peers.peer_progress(peers, idle, untimed)
             if since is not None:
-                # Another worker saves, or saved since this one's last
-                # step: it is what this one waits for.
+                # Another worker saves or saved since our last step.
                 frame.last = time.monotonic() - since
                 frame.warned = False
                 return
@@ -378,14 +328,11 @@ class _Watchdog:
     def _unheeded(self, frame: _Frame, now: float) -> bool:
         """Fires if a preemption signal waits for a step end too long.
 
-        A signal during `fit` is acted on at a step end; a step that never
-        ends (a deadlocked collective) would keep the process alive, deaf
-        to SIGTERM, until the timeout (or five, in a first step). With a
-        signal pending, the bound is the stall warning's (`warn_seconds`:
-        at least 60 s, 10 times the slowest step, at most half the
-        timeout), counted from the signal or the last progress after it (a
-        step end, a save's end), a first step included. A save in progress
-        is not cut short: killing it would lose the backup it writes.
+        A step that never ends (a deadlocked collective) would keep the
+        process deaf to SIGTERM until the timeout (five, in a first step).
+        With a signal pending the bound is `warn_seconds`, from the signal
+        or the last progress after it, first steps included. A running save
+        is not cut short: that would lose the backup it writes.
         """
         since = preemption.pending_since()
         if since is None or self.paused:
@@ -443,12 +390,7 @@ class _Watchdog:
         os._exit(EXIT_CODE)
 
     def interrupt(self, frame: _Frame, after: float = 0.0) -> None:
-        """Interrupts a fired loop that is still running.
-
-        Args:
-            frame: The fired loop.
-            after: Only if its last interrupt is this many seconds old.
-        """
+        """Interrupts fired `frame` if running and last sent `after` s ago."""
         with self.send_lock:
             if frame not in self.frames:
                 return  # It saw the interrupt and left.
@@ -481,9 +423,9 @@ def backstop_margin(seconds: float) -> float:
 def _update_backstop(disarm: bool = False) -> None:
     """Moves the backstop to the innermost loop's deadline plus the margin.
 
-    The deadline is the thread's: the timeout after the last progress, or
-    `UNTIMED_FACTOR` timeouts into a first step or a save. With no timed
-    loop, only the thread (`disarm`) disarms it.
+    The deadline is the thread's (the timeout after the last progress, or
+    `UNTIMED_FACTOR` timeouts into a first step or save). With no timed
+    loop only the thread (`disarm`) disarms it.
     """
     frames = _watchdog.frames
     frame = frames[-1] if frames else None
@@ -533,9 +475,8 @@ def _interrupt(thread_id: int) -> None:
     if thread_id == threading.main_thread().ident and callable(
         signal.getsignal(signal.SIGINT)
     ):
-        # A real signal: it also ends a sleep or a lock wait in progress.
-        # Not where SIGINT is ignored (a process started in the background
-        # by a non-interactive shell): the signal would be dropped.
+        # A signal also ends a sleep or lock wait; not where SIGINT is
+        # ignored (backgrounded by a non-interactive shell): it is dropped.
         signal.pthread_kill(thread_id, signal.SIGINT)
         return
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
@@ -544,14 +485,12 @@ def _interrupt(thread_id: int) -> None:
 
 
 class _Resend:
-    """A `sys.unraisablehook` that sends a swallowed interrupt again.
+    """A `sys.unraisablehook` that resends a swallowed interrupt.
 
-    Python ignores an exception raised where nobody can catch it (a
-    garbage-collector or weakref callback, a `__del__`): it hands it to
-    `sys.unraisablehook` and goes on. A loop interrupted there would run
-    on, so while a fired loop waits for its interrupt this hook sends a
-    new one; other unraisable exceptions go to the hook it replaced.
-    Installed when the loop is interrupted, removed when the loop leaves.
+    Python hands exceptions nobody can catch (GC or weakref callbacks,
+    `__del__`) to `sys.unraisablehook` and goes on, so an interrupt landing
+    there is lost. Others go to the replaced hook. Installed when a loop is
+    interrupted, removed when it leaves.
     """
 
     def __init__(self, frame: _Frame, previous: Callable[[Any], Any]):
@@ -567,8 +506,7 @@ class _Resend:
         hook = sys.unraisablehook
         if isinstance(hook, _Resend) and hook.frame is frame:
             sys.unraisablehook = hook.previous
-        # Else another hook wraps this one: it stays, and does nothing
-        # once the loop has left.
+        # Else another hook wraps it: it stays, inert once the loop left.
 
     def __call__(self, unraisable: Any) -> None:
         frame = self.frame
@@ -586,8 +524,7 @@ class _Resend:
                     f"where Python ignores exceptions ({where}: "
                     f"{unraisable.object!r}); interrupting again."
                 )
-            # From the watchdog's thread: a signal sent from here would be
-            # raised here, inside the hook, and ignored again.
+            # Via the watchdog's thread: sent here, it is ignored again.
             frame.resend = True
             _watchdog.wake.set()
             return
@@ -610,12 +547,9 @@ def _converted(frame: _Frame, error: BaseException | None) -> None:
 
 
 class watching:  # noqa: N801 - used as a function, like contextlib's
-    """Watches one Keras loop (`fit`, `evaluate`, `predict`) for a hang.
+    """Watches one Keras loop (`kind`: fit, evaluate, predict) for a hang.
 
-    Args:
-        strategy: The model's replicator.
-        kind: `"fit"`, `"evaluate"` or `"predict"`.
-        where: Returns a short position (e.g. `"epoch 3"`) for messages.
+    `where` returns a short position for messages (e.g. `"epoch 3"`).
     """
 
     def __init__(
@@ -645,12 +579,9 @@ class watching:  # noqa: N801 - used as a function, like contextlib's
 
 
 class StepWatch:
-    """Watches the calls of one `replicate` step: `with watch: step()`.
+    """Watches one `replicate` step's calls: `with watch: step()`.
 
-    Only the calls are timed; the first one traces and is not.
-
-    Args:
-        strategy: The replicator the step runs on.
+    Only the calls are timed, except the first, which traces.
     """
 
     def __init__(self, strategy: Any):
@@ -690,13 +621,9 @@ class StepWatch:
 class CollectiveWatch:
     """Watches one collective outside the loops: `with watch: ...`.
 
-    E.g. a variable's creation under `MultiWorkerReplicator`, whose initial
-    value the chief broadcasts to every worker. Timed from its start, as a
-    step; inside a watched loop the loop's own clock covers it.
-
-    Args:
-        strategy: The replicator.
-        what: What waits, for messages (`"the creation of variable 'x'"`).
+    E.g. creating a variable under `MultiWorkerReplicator` (the chief
+    broadcasts its initial value). Timed as a step; inside a watched loop
+    the loop's clock covers it. `what` names it in messages.
     """
 
     def __init__(self, strategy: Any, what: str):
@@ -730,10 +657,9 @@ class CollectiveWatch:
 
 
 def arm() -> None:
-    """Notes that the innermost loop's step ran: the first one is traced.
+    """Starts timing the innermost loop once its traced first step ran.
 
-    Called when a step's computation returned, before its callbacks; from
-    then on the loop is timed, the first step's callbacks included.
+    Called before the step's callbacks, which are timed.
     """
     frames = _watchdog.frames
     if frames and not frames[-1].armed:

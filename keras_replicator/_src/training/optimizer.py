@@ -1,12 +1,10 @@
 """`replicator.wrap_optimizer`: average gradients over every replica once.
 
-Under our replicators every Keras optimizer already averages gradients once
-(the rule of `gradients.py`, applied by `patches/replica_mean.py`).
-`ReplicatedOptimizer` takes gradient aggregation over from the optimizer it
-wraps to add what plain optimizers do not have: packs of a chosen size,
-compression to 16 bits, and accumulation of micro-batches with a single
-all-reduce per update. It switches the inner optimizer's own reduction off,
-so gradients are reduced exactly once.
+Every Keras optimizer under our replicators already averages gradients once
+(`gradients.py`, applied by `patches/replica_mean.py`). `ReplicatedOptimizer`
+takes aggregation over from its inner optimizer (whose own reduction it
+switches off) to add packs of a chosen size, 16-bit compression, and
+micro-batch accumulation with one all-reduce per update.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from keras_replicator._src import gradients
 from keras_replicator._src.core import validation
 
 COMPRESSIONS = {None: None, "bf16": tf.bfloat16, "fp16": tf.float16}
-# Gradients are packed into all-reduces of about this size: large enough that
-# per-collective overhead vanishes, small enough that later packs can start
-# while earlier ones are still in flight (Horovod's fusion buffer is 64 MiB).
+# Pack size: big enough to amortize per-collective overhead, small enough
+# for packs to overlap (Horovod's fusion buffer is 64 MiB).
 DEFAULT_BYTES_PER_PACK = 32 * 2**20
 
 
@@ -32,40 +29,32 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer to average gradients over all replicas.
 
     Made by `replicator.wrap_optimizer`. In a custom loop, compute a plain
-    per-replica mean loss (no division by the replica count) and call
-    `optimizer.apply_gradients(zip(grads, variables))` or
-    `optimizer.apply(grads, variables)` in the replica function, as on one
-    device. The gradients are averaged over every replica of every worker
-    once (weighted by each replica's example count when the step's input
-    is a batch), then the inner optimizer applies them. Any loss works:
-    `tf.reduce_mean`, a `keras.losses.*` function or a `keras.losses.Loss`
-    object (under our replicators Keras does not pre-divide losses by the
-    replica count). Under `model.fit` it trains exactly as the plain
-    optimizer.
+    per-replica mean loss (not divided by the replica count; any loss works,
+    since under our replicators Keras does not pre-divide losses) and call
+    `apply_gradients(zip(grads, variables))` or `apply(grads, variables)` in
+    the replica function, as on one device. Gradients are averaged once over
+    every replica of every worker (weighted by each replica's example count
+    when the step's input is a batch), then the inner optimizer applies
+    them. Under `model.fit` it trains exactly as the plain optimizer.
 
-    With `accumulation_steps=N`, `apply` adds each replica's gradients to
-    local accumulators and only every N-th call all-reduces their mean and
-    updates the variables: N micro-batches of global batch B train like one
-    step at batch N * B. `iterations` counts updates, not micro-batches.
+    With `accumulation_steps=N`, each call adds to per-replica accumulators
+    and every N-th all-reduces their mean and updates: N micro-batches of
+    global batch B train like one step at N * B. `iterations` counts updates.
 
-    Saving: the wrapper's variables are the inner optimizer's plus, with
-    accumulation, the accumulators (synchronized on read, averaged across
-    replicas when saved) and a micro-step counter, so checkpoints restore
-    mid-accumulation state, also onto another replica count.
-    `get_config`/`from_config` round-trip the inner optimizer and options.
-
-    The inner optimizer must not be used on its own afterwards: its own
-    cross-replica sum is switched off.
+    Checkpoints hold the inner optimizer's variables plus, with
+    accumulation, the accumulators (on-read, averaged when saved) and a
+    micro-step counter, so they restore mid-accumulation, also onto another
+    replica count. `get_config`/`from_config` round-trip everything. Do not
+    use the inner optimizer alone afterwards: its cross-replica sum is off.
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
         accumulation_steps: Micro-batches per update. Defaults to 1.
-        compression: None, `"bf16"` or `"fp16"`: the dtype gradients travel
-            in during the all-reduce; they are cast back afterwards.
-            Defaults to None (their own dtype).
-        bytes_per_pack: Target size of one packed all-reduce, in bytes; 0
-            packs everything into one. Defaults to 32 MiB.
-        name: The optimizer's name.
+        compression: None, `"bf16"` or `"fp16"`: the dtype gradients are
+            all-reduced in, then cast back. Defaults to None (own dtype).
+        bytes_per_pack: Target bytes per packed all-reduce; 0 packs all into
+            one. Defaults to 32 MiB.
+        name: The optimizer's name. Defaults to None.
     """
 
     def __init__(
@@ -97,9 +86,8 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
                 aggregation="only_first_replica",
                 name="micro_steps",
             )
-            # ON_READ: each replica adds to its own copy without talking to
-            # the others; saving reads the mean over replicas, which after
-            # restore still all-reduces to the same mean gradient.
+            # ON_READ: replicas add to their own copy; saving reads the mean,
+            # which after restore all-reduces to the same mean gradient.
             self._accumulators = []
             for v in var_list:
                 acc = keras.Variable(
@@ -148,8 +136,8 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         """Averages `grads` over all replicas, then updates the variables.
 
-        Call it in the replica function (`step_fn`, `strategy.run`, or a
-        `train_step`). Every replica must call it, the same number of times.
+        Call it in the replica function (`step_fn`, `strategy.run`, a
+        `train_step`), the same number of times on every replica.
 
         Args:
             grads: A list of gradients (None for a variable without one).
@@ -180,11 +168,10 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
     def _build_outside_function(self, trainable_variables):
         """Builds the optimizer eagerly, even from a replicated tf.function.
 
-        Variables first created inside a `tf.function` under a strategy make
-        TensorFlow wrap the function in an initialisation `tf.cond`, which
-        fails at run time with "You must feed a value for placeholder
-        tensor" (plain Keras optimizers hit it too unless built beforehand).
-        So build once, in cross-replica context, lifted out of the graph.
+        Variables first created in a `tf.function` under a strategy make
+        TensorFlow add an initialisation `tf.cond` that fails with "You must
+        feed a value for placeholder tensor" (plain Keras optimizers too,
+        unless built first); so build in cross-replica context, lifted out.
         """
         if trainable_variables is None:
             raise ValueError(
@@ -246,10 +233,9 @@ class ReplicatedOptimizer(keras.optimizers.Optimizer):
             tf.cond(is_update_step(), apply_accumulated, _no_op)
             return
 
-        # MirroredStrategy and MultiWorkerMirroredStrategy on CPU forbid a
-        # collective (a merge_call) inside a tf.cond in the replica function.
-        # So decide in cross-replica context, as LossScaleOptimizer does, and
-        # re-enter every replica inside the chosen branch.
+        # (MultiWorker)MirroredStrategy on CPU forbid a merge_call inside a
+        # replica-side tf.cond: decide cross-replica, as LossScaleOptimizer
+        # does, and re-enter the replicas in the chosen branch.
         def cross_replica(strategy):
             tf.cond(
                 is_update_step(),
@@ -339,19 +325,10 @@ def all_reduce_mean(
 ) -> list[tf.Tensor | None]:
     """Averages gradients over all replicas in a few packed all-reduces.
 
-    Gradients are grouped by the dtype they travel in (a pack is one
-    concatenated tensor) and each group goes out as one
-    `ReplicaContext.all_reduce` call, which TensorFlow splits into packs of
-    about `bytes_per_pack`. Each gradient is divided by the replica count
-    before the sum, so float16 sums cannot overflow.
-
-    Args:
-        grads: Gradients; None entries are passed through.
-        compression: None, `"bf16"` or `"fp16"`.
-        bytes_per_pack: Target bytes per pack; 0 for a single pack.
-
-    Returns:
-        The averaged gradients, in the order and dtypes of `grads`.
+    One all-reduce per wire dtype (`compression`), which TensorFlow splits
+    into packs of about `bytes_per_pack` (0: one pack). Gradients are divided
+    by the replica count before the sum, so float16 sums cannot overflow.
+    Returns them in the order and dtypes of `grads`; None passes through.
     """
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
@@ -408,9 +385,9 @@ def _validate(optimizer, accumulation_steps, compression) -> None:
 def _disable_inner_all_reduce(optimizer) -> None:
     """Turns off the cross-replica gradient sum of `optimizer` (and inners).
 
-    Keras' TF optimizer sums gradients in `_all_reduce_sum_gradients`; the
-    wrapper already averaged them, so a second reduction would multiply them
-    by the replica count. A LossScaleOptimizer's inner optimizer reduces too.
+    Keras' TF optimizer sums in `_all_reduce_sum_gradients`; after the
+    wrapper's mean that would multiply by the replica count. A
+    LossScaleOptimizer's inner optimizer reduces too.
     """
     while optimizer is not None:
         if not hasattr(optimizer, "_all_reduce_sum_gradients"):

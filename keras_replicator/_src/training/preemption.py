@@ -1,30 +1,25 @@
 """Preemption: every worker stops at the same step, saves there and exits.
 
 Spot VMs, Kubernetes evictions and Slurm (`#SBATCH --signal`) send SIGTERM
-or a chosen signal some seconds before they kill a job. During `fit` under
-`LocalReplicator` or `MultiWorkerReplicator`, the signals named by
+or a chosen signal seconds before killing a job. During `fit` under
+`LocalReplicator` or `MultiWorkerReplicator`, the signals in
 `KERAS_REPLICATOR_PREEMPTION_SIGNALS` (default `SIGTERM,SIGUSR1`) only set a
-flag. At a train batch end the workers agree on it, the same step on every
-worker; then the `BackupAndRestore` callbacks of the fit write their backup
-at that step and every process exits with `EXIT_CODE` (75, `EX_TEMPFAIL`:
-"try again"). The next start of the same command resumes at that step
+flag. The workers agree on it at the same train batch end, the fit's
+`BackupAndRestore` callbacks back up at that step, and every process exits
+with `EXIT_CODE` (75, `EX_TEMPFAIL`); the next start resumes there
 (`patches/backup_and_restore.py`).
 
-Agreeing costs one collective, so multi-worker fit does not ask every step:
-one all-reduce of two numbers, the flag and each worker's estimate of how
-many steps take `KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS` (default 1),
-also picks the step of the next check, identically on every worker. A
-signal is acted on within about that time plus one step, as long as steps
-take about as long as at the previous check (intervals are at most 100
-steps and at most double from one check to the next). A single process
-checks its flag every step, for free.
+A single process checks its flag every step, for free. Several workers
+check by one all-reduce of the flag and each worker's estimate of how many
+steps take `KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS` (default 1), which
+also picks the next check's step identically everywhere. A signal is acted
+on within about that time plus one step, if step times stay steady
+(intervals are at most 100 steps and at most double per check).
 
-Outside `fit` the handlers are not installed. A signal that arrives after
-the last step's check of a `fit` that runs to its last epoch is acted on
-at the training's end (`Agreement.should_stop_at_end`, in the preemption
-patch's `on_train_end`). One that arrives during a `fit` that ends
-otherwise (stopped early) is delivered again, to the previous handler,
-when the `fit` returns: it is never swallowed.
+Handlers exist only during `fit`. A signal after the last check of a fit
+that runs to its end is acted on at the end (`Agreement.should_stop_at_end`,
+in the preemption patch's `on_train_end`); one during a fit that returns
+otherwise (stopped early) is re-delivered to the previous handler.
 """
 
 from __future__ import annotations
@@ -42,27 +37,21 @@ import numpy as np
 
 from keras_replicator._src.core import env
 
-# sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to
-# retry". Kubernetes, Slurm scripts and the launcher tell it from a crash.
+# sysexits.h EX_TEMPFAIL ("retry"): restart policies tell it from a crash.
 EXIT_CODE = 75
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
 DEFAULT_CHECK_SECONDS = 1.0
-# A process that stopped for preemption but has not exited after this many
-# seconds (a stuck `finally`, a collective at interpreter exit) is ended.
+# A preempted process not exited after this (a stuck `finally`, a collective
+# at interpreter exit) is ended.
 _EXIT_DEADLINE_SECONDS = 20.0
-# The longest interval between checks, in steps, however fast the steps;
-# intervals also at most double from one check to the next.
+# The longest interval between checks, in steps.
 _MAX_INTERVAL = 100
 
 
 def signals_from_env() -> tuple[signal.Signals, ...]:
-    """The preemption signals named by `KERAS_REPLICATOR_PREEMPTION_SIGNALS`.
+    """The signals in `KERAS_REPLICATOR_PREEMPTION_SIGNALS`, in order.
 
-    Returns:
-        The signals, in the order named; empty if the variable is empty.
-
-    Raises:
-        ValueError: If a name is not a signal of this platform.
+    Raises ValueError for a name that is not a catchable signal here.
     """
     text = os.environ.get(env.PREEMPTION_SIGNALS, DEFAULT_SIGNALS)
     out = []
@@ -81,11 +70,7 @@ def signals_from_env() -> tuple[signal.Signals, ...]:
 
 
 def check_seconds_from_env() -> float:
-    """`KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS`, validated.
-
-    Raises:
-        ValueError: If it is not a positive number.
-    """
+    """`KERAS_REPLICATOR_PREEMPTION_CHECK_SECONDS`; ValueError unless > 0."""
     text = os.environ.get(env.PREEMPTION_CHECK_SECONDS)
     if text is None:
         return DEFAULT_CHECK_SECONDS
@@ -106,11 +91,9 @@ class _Flag:
 
     def __init__(self):
         self.signum: int | None = None
-        # When it came (`time.monotonic()`): the hang watchdog bounds how
-        # long a signal may wait for a step end that never comes...
+        # Monotonic arrival: the hang watchdog bounds the wait for a step
+        # end until one acts on it (`acting`; then `leave` is bounded).
         self.since = 0.0
-        # ...until a step end acts on it (the backup's save, then `leave`,
-        # bounded by `_EXIT_DEADLINE_SECONDS`, take it from there).
         self.acting = False
 
 
@@ -131,10 +114,7 @@ def pending() -> int | None:
 
 
 def pending_since() -> float | None:
-    """When (`time.monotonic()`) the pending signal came, or None.
-
-    None too once a step end acts on it (`Agreement` decided to stop).
-    """
+    """Monotonic time the pending signal came; None if none or acted on."""
     if _flag.signum is None or _flag.acting:
         return None
     return _flag.since
@@ -142,10 +122,9 @@ def pending_since() -> float | None:
 
 @contextlib.contextmanager
 def handling() -> Iterator[None]:
-    """Installs the preemption handlers for the duration of one `fit`.
+    """Installs the preemption handlers for one `fit`, in the main thread.
 
-    Only in the main thread (Python delivers signals there). Nested calls
-    keep the outer handlers.
+    (Python delivers signals there.) Nested calls keep the outer handlers.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -187,11 +166,7 @@ def _handler(signum, frame):
 
 
 class Agreement:
-    """Decides, identically on every worker, at which step to stop.
-
-    Args:
-        strategy: The model's replicator.
-    """
+    """Decides, identically on every worker, at which step to stop."""
 
     def __init__(self, strategy: Any):
         self._strategy = strategy
@@ -232,11 +207,10 @@ class Agreement:
         return _acting(bool(total[0] > 0))
 
     def should_stop_at_end(self) -> bool:
-        """Called once, at the end of a fit not stopped early.
+        """Called once at the end of a fit not stopped early.
 
-        A signal after the last check is acted on there. Every worker
-        reaches it together (after the same steps, none in a fit resumed
-        at its end), so several workers agree with one more sum.
+        Every worker reaches it after the same steps (none in a fit resumed
+        at its end), so one more sum agrees on a late signal.
         """
         if self._workers == 1:
             return _acting(_flag.signum is not None)
@@ -259,11 +233,9 @@ def _acting(stop: bool) -> bool:
 def say(message: str) -> None:
     """Prints `[keras-replicator] message` on a line of its own (stderr).
 
-    During a `fit` with Keras' progress bar, the bar's line is open (it is
-    redrawn after a carriage return until the epoch ends), and stdout and
-    stderr often share one terminal or pipe (`keras-replicator launch`
-    merges them): the message would be glued onto the bar. So the bar's
-    line is ended first (`progress_bar`).
+    Keras' progress bar keeps its line open (redrawn after a carriage
+    return) and stdout and stderr often share a terminal or pipe (`launch`
+    merges them), so an open bar's line is ended first (`progress_bar`).
     """
     if _bar.open:
         sys.stdout.write("\n")
@@ -280,11 +252,7 @@ _bar = _Bar()
 
 @contextlib.contextmanager
 def progress_bar(verbose) -> Iterator[None]:
-    """Marks a `fit` whose progress bar may hold an open line (`say`).
-
-    Args:
-        verbose: `fit`'s `verbose` argument: 1 and `"auto"` draw the bar.
-    """
+    """Marks a `fit` whose bar may hold an open line (`verbose` 1, "auto")."""
     saved = _bar.open
     _bar.open = verbose in (1, "auto")
     try:
@@ -294,12 +262,10 @@ def progress_bar(verbose) -> Iterator[None]:
 
 
 def leave(message: str) -> None:
-    """Prints `message` and exits with `EXIT_CODE` (bounded in time).
+    """Prints `message` and raises SystemExit(`EXIT_CODE`).
 
-    Raises:
-        SystemExit: Always, with `EXIT_CODE`, so `finally` blocks run; if
-            the process is still alive `_EXIT_DEADLINE_SECONDS` later, it
-            is ended with that code.
+    SystemExit lets `finally` blocks run; a process still alive
+    `_EXIT_DEADLINE_SECONDS` later is ended with that code.
     """
     # Acted on: `handling` must not deliver it again on the way out.
     _flag.signum = None

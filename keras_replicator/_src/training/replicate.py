@@ -1,11 +1,10 @@
 """`replicator.replicate(step_fn, input_fn)`: TF-Replicator's research loop.
 
-A researcher writes one replica: `input_fn` builds its data and `step_fn`
-performs its step. `replicate` distributes the data with
-`distribute_datasets_from_function`, compiles one `tf.function` that runs
-`step_fn` on every replica (`steps_per_call` times in a `tf.while_loop`), and
-reduces the outputs across all replicas and workers inside that function, so a
-call costs one host round trip.
+`input_fn` builds one replica's data, `step_fn` its step. `replicate`
+distributes the data (`distribute_datasets_from_function`) and compiles one
+`tf.function` that runs `step_fn` on every replica (`steps_per_call` times in
+a `tf.while_loop`) and reduces over all replicas and workers: one host round
+trip per call.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ StepFn = Callable[[Any], TensorTree]
 class ReplicatedStep:
     """A compiled step of every replica; call it to advance them all.
 
-    Made by `replicator.replicate`; see there. Each call takes the next
-    per-replica batch on every replica, runs `step_fn` `steps_per_call`
-    times and returns the outputs of the last of those steps.
+    Made by `replicator.replicate`. Each call runs `step_fn`
+    `steps_per_call` times on every replica's next batches and returns the
+    last step's outputs.
 
     Attributes:
         strategy: The replicator (a `tf.distribute.Strategy`) it runs on.
@@ -59,27 +58,24 @@ class ReplicatedStep:
         )
         self._iterator = iter(self.dataset)
         self._function = tf.function(self._run)
-        # Each call is timed by the hang watchdog; the time between calls
-        # is the caller's.
+        # The hang watchdog times each call, not the time between calls.
         self._watch = hang_watchdog.StepWatch(strategy)
 
     def __call__(self) -> TensorTree | list[TensorTree] | None:
         """Advances every replica by `steps_per_call` steps.
 
         Returns:
-            `step_fn`'s outputs of the last step: with `reduce="mean"` or
-            `"sum"`, reduced over every replica of every worker (one value,
-            the same on every worker); with `reduce=None`, a list with one
-            output per local replica, in replica order. None if `step_fn`
-            returns None; None leaves of a nest stay None. Integer outputs
-            under `"mean"` become floating point, as `tf.math.truediv`
-            makes them; see `replicate`.
+            The last step's outputs of `step_fn`: with `"mean"` or `"sum"`,
+            reduced over every replica of every worker (the same value on
+            every worker; integers become float under `"mean"`, see
+            `replicate`); with `reduce=None`, a list of one output per local
+            replica, in order. None leaves (or a None output) stay None.
 
         Raises:
-            tf.errors.OutOfRangeError: If `input_fn`'s dataset ran out; make
-                it repeat for open-ended training loops.
-            TypeError: On the first call, if `reduce` is `"mean"` or `"sum"`
-                and an output is not numeric (e.g. `bool`).
+            tf.errors.OutOfRangeError: If `input_fn`'s dataset ran out
+                (make it repeat for open-ended loops).
+            TypeError: On the first call, if `reduce` is set and an output
+                is not numeric (e.g. `bool`).
         """
         with self._watch:
             outputs = self._function(self._iterator)
@@ -91,8 +87,8 @@ class ReplicatedStep:
         outputs = self._one_step(iterator)
         if self.steps_per_call == 1:
             return outputs
-        # A tf.while_loop, not a Python loop, keeps the graph one step big.
-        # The loop carries the reduced (or per-replica local) outputs.
+        # A tf.while_loop keeps the graph one step big; it carries the
+        # reduced (or per-replica local) outputs.
         if outputs is None:
             tf.while_loop(
                 lambda i: i < self.steps_per_call,
@@ -100,8 +96,8 @@ class ReplicatedStep:
                 (tf.constant(1),),
             )
             return None
-        # tf.while_loop rejects None ("None values not supported"), so it
-        # carries only the tensors and the None leaves are put back after.
+        # tf.while_loop rejects None ("None values not supported"): carry
+        # only tensors and put None leaves back after.
         flat = tf.nest.flatten(outputs)
         kept = [i for i, value in enumerate(flat) if value is not None]
 
@@ -126,8 +122,7 @@ class ReplicatedStep:
             return None
         if self.reduce is None:
             return _local_results(self.strategy, per_replica)
-        # Reduce inside the function: under a multi-worker replicator this
-        # is one more collective in the same graph, not a second round trip.
+        # Reducing in the function adds a collective, not a round trip.
         op = self.reduce.upper()
         return tf.nest.map_structure(
             lambda v: (
@@ -140,7 +135,7 @@ class ReplicatedStep:
     def _replica_fn(self):
         """`_replica_step`, marked as a TF-Replicator step for `run`.
 
-        Optimizers in `step_fn` follow one device's gradient convention
+        Optimizers in `step_fn` then follow one device's gradient convention
         (`patches/replica_mean.py`).
         """
 
@@ -168,22 +163,19 @@ def replicate(
 
     See `ReplicatorMixin.replicate`, which calls this with itself.
 
-    `reduce="mean"` is a true division, as in `tf.distribute`'s own
-    `strategy.reduce("MEAN", ...)` over several replicas, which divides the
-    sum with `tf.math.truediv`: integer outputs come back as floating point,
-    `float32` for 8- and 16-bit integers and `float64` for 32- and 64-bit
-    ones, whatever the number of replicas (`strategy.reduce` itself leaves
-    them integer on one replica). They are cast on each replica before the
-    all-reduce, so the sum cannot overflow the integer type. `"sum"` keeps
-    the dtype. None leaves of a nest are not reduced and stay None, in every
-    mode.
+    `reduce="mean"` divides with `tf.math.truediv`, as `strategy.reduce
+    ("MEAN", ...)` does over several replicas: integers become `float32` (8
+    and 16 bits) or `float64` (32, 64), for any replica count (plain
+    `strategy.reduce` keeps them integer on one replica). They are cast
+    before the all-reduce, so the sum cannot overflow. `"sum"` keeps the
+    dtype. None leaves stay None in every mode.
 
     Args:
         strategy: The replicator to run on.
         step_fn: One replica's step, called with that replica's batch.
-        input_fn: Called with a `tf.distribute.InputContext`, once per input
-            pipeline (one per worker); returns a `tf.data.Dataset` of
-            per-replica batches.
+        input_fn: Called with a `tf.distribute.InputContext` once per
+            worker's pipeline; returns a `tf.data.Dataset` of per-replica
+            batches.
         reduce: `"mean"`, `"sum"` or None. Defaults to `"mean"`.
         steps_per_call: Steps per call. Defaults to 1.
 
@@ -191,9 +183,9 @@ def replicate(
         A `ReplicatedStep`: call it to advance every replica.
 
     Raises:
-        TypeError: If `step_fn` or `input_fn` is not callable, or `input_fn`
-            does not return a `tf.data.Dataset`; on the first call of the
-            step, if `reduce` is set and an output is not numeric.
+        TypeError: If `step_fn` or `input_fn` is not callable or `input_fn`
+            returns no `tf.data.Dataset`; on the step's first call, if
+            `reduce` is set and an output is not numeric.
         ValueError: If `reduce` or `steps_per_call` is not supported.
     """
     return ReplicatedStep(strategy, step_fn, input_fn, reduce, steps_per_call)
@@ -237,11 +229,7 @@ def _checked_input_fn(input_fn: InputFn) -> InputFn:
 
 
 def _reducible(outputs: TensorTree, reduce: str) -> TensorTree:
-    """Checks one replica's outputs for `reduce`; casts integers for "mean".
-
-    Raises:
-        TypeError: If an output is not numeric (e.g. `bool` or `string`).
-    """
+    """Checks outputs are numeric (else TypeError); casts ints for "mean"."""
     tensors = tf.nest.map_structure(_as_tensor, outputs)
     dtypes = [v.dtype for v in tf.nest.flatten(tensors) if v is not None]
     if not all(d.is_integer or d.is_floating or d.is_complex for d in dtypes):
@@ -276,10 +264,7 @@ def _mean_dtype(value: tf.Tensor | None) -> tf.Tensor | None:
 
 
 def _local_results(strategy, per_replica) -> tuple:
-    """Splits a nest of per-replica values into one nest per local replica.
-
-    None leaves stay None in every replica's nest.
-    """
+    """Splits per-replica values into one nest per local replica (None kept)."""
     flat = tf.nest.flatten(per_replica)
     replicas = len(
         strategy.experimental_local_results(

@@ -1,19 +1,15 @@
 """Resuming a fit where its backup left it: position, topology, data order.
 
-A `fit` under `LocalReplicator` or `MultiWorkerReplicator` is a `Run`: the
-epoch in progress, the steps done in it, and the training data's epoch
-iterator with the iterators it made. `patches/backup_and_restore.py` (the
-thin patch of Keras' `BackupAndRestore`, `CallbackList` and epoch
-iterator) records these in every backup, with the topology it was written
-on, and on restore hands the record back here:
-
-- `replay` makes the first epoch after a restore give the data of an
-  uninterrupted run: the iterators the earlier epochs made are made again
-  (a seeded `reshuffle_each_iteration` shuffle draws its order per
-  iterator), and the batches already trained are pulled again, untrained;
-- a backup resumes on any other topology, except inside an epoch whose
-  batches would differ there (`ValueError`, before any step);
-- `say_restored` prints the one line naming the backup and the position.
+A `fit` under `LocalReplicator` or `MultiWorkerReplicator` is a `Run`:
+epoch, steps done in it, and the data's epoch iterator with the iterators
+it made. `patches/backup_and_restore.py` (patching Keras' `BackupAndRestore`,
+`CallbackList` and epoch iterator) records these and the topology in every
+backup and hands them back here on restore. `replay` makes the first epoch
+after a restore give an uninterrupted run's data (earlier iterators are made
+again, as a seeded `reshuffle_each_iteration` shuffle draws its order per
+iterator; trained batches are pulled again, untrained). A backup resumes on
+any topology, except inside an epoch whose batches would differ
+(`ValueError`, before any step).
 """
 
 from __future__ import annotations
@@ -41,8 +37,8 @@ PARTIAL_SUFFIX = ".partial"
 
 PREVIOUS_SUFFIX = ".previous"
 
-# A ModelParallel model's backup: a sharded checkpoint in this folder of
-# `backup_dir`, its training position in the checkpoint's index.
+# A ModelParallel backup: a sharded checkpoint here in `backup_dir`, its
+# position in the checkpoint's index.
 SHARDED_FOLDER = "sharded"
 
 METADATA_FILE = "training_metadata.json"
@@ -61,8 +57,7 @@ class Run:
         # The epoch in progress and the train steps done in it.
         self.epoch = 0
         self.done = 0
-        # The training data's epoch iterator and the iterators it made
-        # since the first epoch began.
+        # The data's epoch iterator, and how many iterators it made.
         self.in_epochs = False
         self.iterator = None
         self.made = 0
@@ -77,11 +72,7 @@ runs: list[Run] = []
 
 @contextlib.contextmanager
 def fit_scope(model) -> Iterator[None]:
-    """Preemption handling for one `fit` of `model` (no-op off replicators).
-
-    Args:
-        model: The model whose `fit` runs inside.
-    """
+    """Preemption handling for one `fit` of `model` (no-op off replicators)."""
     if not traits.is_in_graph(traits.model_strategy(model)):
         yield
         return
@@ -114,8 +105,8 @@ def position(model):
 def handles(model) -> bool:
     """Whether a `fit` of `model` under one of our replicators is running.
 
-    Its `BackupAndRestore._load_model` then restores whatever backup it
-    finds, at the exact step (`_load_model` above).
+    Its `BackupAndRestore._load_model` then restores any backup found, at
+    the exact step.
     """
     return run_for(model) is not None
 
@@ -123,11 +114,9 @@ def handles(model) -> bool:
 def sharded_backup(target: str) -> str | None:
     """The folder of the sharded backup to restore, if the backup is one.
 
-    `<backup_dir>.previous` holds it when a process was killed between the
-    two renames of a whole save that replaced it. A whole backup written
-    later beside it (by a `fit` Keras ran alone, which saves in place and
-    leaves the folder) is the one to restore: the sharded one is then not
-    returned.
+    `<backup_dir>.previous` holds it if a process died between the two
+    renames of a whole save replacing it. None if a whole backup was written
+    later beside it (by a plain Keras `fit`, which saves in place).
     """
     for root in (target, target + PREVIOUS_SUFFIX):
         if root != target and os.path.isdir(target):
@@ -173,8 +162,7 @@ def say_restored(source, metadata: dict, where: str, note: str = "") -> None:
 
 
 def resume_from(run: Run, metadata: dict, source, target, model) -> None:
-    # Without our entry (a backup of stock Keras) the fit starts at the
-    # saved epoch's first step, as in Keras.
+    # A stock Keras backup resumes at the saved epoch's start, as in Keras.
     run.resume = metadata.get(METADATA_KEY)
     done = run.resume or {}
     log_state(
@@ -191,10 +179,8 @@ def resume_from(run: Run, metadata: dict, source, target, model) -> None:
 def state_digest(model) -> dict:
     """Checksums of what a backup carries, to compare a save and a restore.
 
-    Returns:
-        `iterations` (the optimizer's step count), and `weights` and
-        `optimizer`: sums of the absolute values of the model's weights and
-        of the optimizer's variables, in float64.
+    `iterations` (the optimizer's), and float64 sums of absolute values of
+    the model's `weights` and the `optimizer`'s variables.
     """
 
     def total(variables):
@@ -240,9 +226,8 @@ def topology(strategy) -> dict:
 def _public_class_name(strategy) -> str:
     """The class of `strategy` a user knows: exported, or their own.
 
-    A mesh over several processes runs on an internal subclass of
-    `MultiWorkerReplicator` (`distribution/runtime.py`); messages name
-    `MultiWorkerReplicator`, which the documentation does.
+    A multi-process mesh runs on an internal `MultiWorkerReplicator`
+    subclass (`distribution/runtime.py`); messages name the documented one.
     """
     # Read, not imported: the package imports this patch.
     package = sys.modules.get("keras_replicator")
@@ -295,10 +280,9 @@ def _sharded_input(epoch_iterator):
 def _order_by_workers(epoch_iterator, strategy) -> bool:
     """Whether the examples of each step depend on the number of workers.
 
-    Keras' own data (arrays, datasets) is split batch by batch, the same on
-    every topology. `replicator.distribute` shards the examples over the
-    workers first: on several workers, a shuffle within each shard, or
-    shards by file or by the input function, put other examples in a step.
+    Keras splits its own data batch by batch, the same on every topology.
+    `replicator.distribute` shards over workers first: on several, a shuffle
+    per shard, or sharding by file or input function, changes each step.
     """
     input_fn = _sharded_input(epoch_iterator)
     workers = int(getattr(strategy, "num_workers", 1) or 1)
@@ -309,12 +293,10 @@ def _order_by_workers(epoch_iterator, strategy) -> bool:
 
 
 def _check_exact(epoch_iterator, resume: dict) -> None:
-    """Raises when resuming inside this epoch would skip or repeat examples.
+    """Raises ValueError if resuming inside this epoch would skip examples.
 
-    Raises:
-        ValueError: If the backup was written inside an epoch whose batches
-            differ here: another number of batches, or data whose examples
-            per step depend on the number of workers, which differs.
+    That is, the batch count differs, or the examples per step depend on the
+    worker count, which differs.
     """
     done = resume["steps_done"]
     saved = resume.get("topology")
@@ -370,12 +352,10 @@ def data_state(run: Run) -> dict:
 def replay(original, self, resume: dict):
     """The first epoch after a restore, data as if training never stopped.
 
-    Keras' loop (`EpochIterator._enumerate_iterator`, pinned) makes a new
-    iterator per epoch unless `steps_per_epoch` is given, and another one
-    when an epoch used up the data. A seeded shuffle with
-    `reshuffle_each_iteration` draws its order per iterator, so the
-    iterators made before are made again (unused), then the batches the
-    current one gave are pulled again, untrained.
+    Keras' loop (`EpochIterator._enumerate_iterator`, pinned) makes an
+    iterator per epoch unless `steps_per_epoch` is given, and another when
+    an epoch used up the data. Earlier iterators are remade unused (for the
+    seeded shuffle's order), then the current one's batches pulled again.
     """
     done = resume["steps_done"]
     _check_exact(self, resume)
