@@ -37,8 +37,9 @@ each as the median (min, max) over rounds of per-round ratios. A peer that
 refuses a case is printed with its error; a missing peer (no jax, keras-hub
 or torch in `--peer-python`) is said and skipped.
 
-The peers come with the `bench` extra (`pip install
-"keras-replicator[bench]"`), or from another environment (`--peer-python`).
+The peers come with the `bench`, `hub` and `mpi` extras (`pip install
+"keras-replicator[bench,hub,mpi]"`), or from another environment
+(`--peer-python`).
 
     python benchmarks/vs_peers.py [--processes 2] [--rounds 3] [--steps 8]
         [--models mlp,gemma] [--backends ours_mpi,ours_grpc,jax,torch]
@@ -494,7 +495,7 @@ def main():
             if why:
                 print(
                     f"{backend} is missing in {args.peer_python} ({why}): "
-                    'skipped (pip install "keras-replicator[bench]", or '
+                    'skipped (pip install "keras-replicator[bench,hub,mpi]", or '
                     "pass --peer-python)"
                 )
                 backends.remove(backend)
