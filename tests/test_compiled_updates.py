@@ -1,14 +1,16 @@
-"""A ModelParallel block's optimizer update, compiled: one device's numbers.
+"""Large variables' optimizer updates, compiled: one device's numbers.
 
 Under `ModelParallel` each device updates its own blocks of the sharded
-variables; a block of at least `compiled_updates.MIN_ELEMENTS` values is
-updated by the optimizer's own `update_step` in a function XLA compiles
+variables, under DataParallel its own copy of each replicated one; a block
+or variable of at least `compiled_updates.MIN_ELEMENTS` values is updated
+by the optimizer's own `update_step` in a function XLA compiles
 (`patches/compiled_updates.py`). Checked here on a 1x4 mesh whose two
-large kernels have blocks of 65536 values: which updates are compiled
-(the large blocks only, on every device), and that weights, optimizer
-state and logs equal those of Keras' own ops on the same mesh (float32 to
-1e-6, float64 to 1e-12) and one device's, for Adam, AdamW and SGD with
-momentum.
+large kernels have blocks of 65536 values, and on 4 DataParallel devices:
+which updates are compiled (the large ones only, on every device), and that
+weights, optimizer state and logs equal those of Keras' own ops on the same
+devices (float32 to 1e-6, float64 to 1e-12) and one device's, for Adam,
+AdamW and SGD with momentum. One device and the user's own `strategy.run`
+keep Keras' ops.
 """
 
 import functools
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_replicator as kr
 from keras_replicator._src.core import placements
 from keras_replicator._src.patches import compiled_updates
 from tests import helpers
@@ -186,26 +189,64 @@ def test_large_blocks_update_compiled_with_one_devices_numbers(
     _same(one_device, h0, model, h1, ONE_DEVICE_TOL[floatx])
 
 
-def test_data_parallel_and_one_device_updates_are_keras_own():
-    # Nothing is compiled outside ModelParallel's blocks.
-    data_parallel = keras.distribution.DataParallel(
-        devices=keras.distribution.list_devices()[:4]
-    )
-    x, y = _data()
-    for distribution in (data_parallel, None):
-        keras.distribution.set_distribution(distribution)
-        model = _model("adam")
-        model.fit(x[:16], y[:16], batch_size=16, verbose=0)
-        assert _compiled_calls(model) == []
-
-
-def test_16_bit_blocks_keep_keras_ops():
-    # XLA may keep a 16-bit update's intermediates in float32, where Keras'
-    # ops round after each op.
+@pytest.mark.parametrize(
+    "name, floatx",
+    [("adam", "float32"), ("adam", "float64"), ("accumulation", "float32")],
+)
+def test_data_parallel_updates_its_large_variables_compiled(
+    name, floatx, monkeypatch
+):
+    # Each replica updates its own copy of a and b's kernels (262144 values)
+    # compiled, from the averaged gradients; c's and the biases by Keras'
+    # ops. One device's numbers, as with Keras' ops everywhere.
+    one_device, h0 = _reference(name, floatx)
     keras.distribution.set_distribution(
-        helpers.model_parallel((1, 4), _LAYOUTS)
+        keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices()[:4]
+        )
     )
-    model, _ = _fit("adam", "bfloat16")
-    assert placements.of(model.get_layer("a").kernel) is not None
-    with helpers.floatx("bfloat16"):
-        assert _compiled_calls(model) == []
+    model, h1 = _fit(name, floatx)
+    with helpers.floatx(floatx):
+        calls = _compiled_calls(model)
+    assert len(calls) == 2 * 4, calls
+    if name != "accumulation":  # In a branch: placed when it runs.
+        assert len(set(calls)) == 4, calls
+    monkeypatch.setattr(compiled_updates, "MIN_ELEMENTS", 1 << 40)
+    stock, h2 = _fit(name, floatx)
+    with helpers.floatx(floatx):
+        assert _compiled_calls(stock) == []
+    _same(stock, h2, model, h1, TOL[floatx])
+    _same(one_device, h0, model, h1, ONE_DEVICE_TOL[floatx])
+
+
+def test_one_devices_and_the_users_own_updates_are_keras_own():
+    # No replicator: Keras' ops. The user's own `strategy.run`
+    # (tf.distribute's convention, a cross-replica update): Keras' ops.
+    x, y = _data()
+    model = _model("adam")
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+    assert _compiled_calls(model) == []
+    replicator = kr.LocalReplicator(num_replicas=2)
+    with replicator.scope():
+        model = _model("adam")
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+
+    @tf.function
+    def own_step(x, y):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2) / 2
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(
+                zip(grads, model.trainable_variables, strict=True)
+            )
+
+        replicator.run(step, args=(x, y))
+
+    graph_def = own_step.get_concrete_function(
+        tf.TensorSpec([4, 512], tf.float32), tf.TensorSpec([4, 4], tf.float32)
+    ).graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    assert not [n for n in nodes if n.attr["_XlaMustCompile"].b]

@@ -1,25 +1,29 @@
-"""A ModelParallel block's optimizer update, compiled into one pass.
+"""An optimizer's update of a large variable, compiled into one pass.
 
 Keras' TensorFlow optimizers update a variable with a dozen elementwise ops
 (Adam: two moments, a square, a root, a division, three assigns), each a
 pass with a temporary of its size. In ModelParallel's step of a 16.8M MLP
 over 2 processes (`benchmarks/transport.py`) they took 19 ms of 49, the
-matmuls 17.
+matmuls 17; under DataParallel each process updates all 16.8M.
 
 Under `ModelParallel` each replica updates its own blocks
-(`replica_mean._apply_with_blocks`); a block of at least `MIN_ELEMENTS`
-values is updated by the optimizer's own `update_step` traced into a
-`jit_compile=True` function: one loop, no temporaries, Keras' formula and
-order. XLA may fuse a multiply-add (FMA) or write `a / sqrt(b)` as
-`a * rsqrt(b)`, so a float32 block may differ in its last bit per step, as a
-sum in another order does. (TensorFlow's fused `ResourceApplyAdam` computes
-`1 - beta_2` in float32, 1.3e-5 relative from Keras' constant for
-`beta_2=0.999`, so `v` drifts: left out.)
+(`replica_mean._apply_with_blocks`); under DataParallel (one device's
+convention: `fit`, `replicate`) each updates its own copy of a replicated
+variable from the averaged gradients (`replica_mean._apply`). A block or
+variable of at least `MIN_ELEMENTS` values is then updated by the
+optimizer's own `update_step` traced into a `jit_compile=True` function:
+one loop, no temporaries, Keras' formula and order. XLA may fuse a
+multiply-add (FMA) or write `a / sqrt(b)` as `a * rsqrt(b)`, so a float32
+value may differ in its last bit per step, as a sum in another order does.
+(TensorFlow's fused `ResourceApplyAdam` computes `1 - beta_2` in float32,
+1.3e-5 relative from Keras' constant for `beta_2=0.999`, so `v` drifts:
+left out.)
 
 Only `_ELEMENTWISE` optimizers by exact class (Adam, AdamW, SGD, RMSprop...;
 not Lamb, Muon, Adafactor nor subclasses), float32/float64 variables and a
-traced step take it; smaller blocks, replicated variables, sparse gradients
-and updates elsewhere keep Keras' ops (a launch costs what it saves).
+traced step take it; smaller values, sparse gradients, ZeRO-1's slices, the
+user's own `strategy.run` (stock Keras' cross-replica update) and updates
+under no replicator keep Keras' ops (a launch costs what it saves).
 TensorFlow logs "Compiled cluster using XLA" once per process.
 """
 
@@ -29,8 +33,10 @@ import tensorflow as tf
 from keras import optimizers
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
+from keras_replicator._src import gradients
 from keras_replicator._src.core import placements
 from keras_replicator._src.patches import registry
+from keras_replicator._src.sharding import optimizer_shards
 
 KINDS = frozenset({"local", "multi_worker"})
 
@@ -68,7 +74,8 @@ def compiles(optimizer, gradient, variable) -> bool:
     """
     if type(optimizer) not in _ELEMENTWISE or tf.executing_eagerly():
         return False
-    if not placements.reading_locally():
+    blocks = placements.reading_locally()
+    if not blocks and not _replicated_update(optimizer):
         return False
     if tf.as_dtype(variable.dtype) not in _DTYPES:
         return False
@@ -83,7 +90,22 @@ def compiles(optimizer, gradient, variable) -> bool:
     )
     if index is None:
         return False
-    return placements.of(optimizer._trainable_variables[index]) is not None
+    sharded = placements.of(optimizer._trainable_variables[index]) is not None
+    return sharded if blocks else not sharded
+
+
+def _replicated_update(optimizer) -> bool:
+    """Whether a DataParallel replica updates its own copy, averaged first.
+
+    `patches/replica_mean.py` averaged the gradients (the optimizer's sum is
+    off) and each replica updates its copy in replica context. ZeRO-1's
+    slices keep Keras' ops.
+    """
+    return (
+        gradients.sum_is_off(optimizer)
+        and not tf.distribute.in_cross_replica_context()
+        and not optimizer_shards.is_sharded(optimizer)
+    )
 
 
 def _distributed_tf_update_step(

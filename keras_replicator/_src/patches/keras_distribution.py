@@ -239,10 +239,21 @@ def _cut_by_process(dataset, count, index, devices_per_process=1):
         )
     devices = count * devices_per_process
     first = index * devices_per_process
+    known = all(
+        s.shape.rank is not None and s.shape[0] is not None for s in specs
+    )
+    static = sizes[0] if known and sizes else None
 
     def cut(*element):
         element = element[0] if len(element) == 1 else element
-        size = tf.shape(tf.nest.flatten(element)[0])[0]
+        # A static batch (`drop_remainder=True`) is cut by Python ints: the
+        # part keeps a static size, so the step's example count is static
+        # and the gradients' plain mean needs no weights.
+        size = (
+            tf.shape(tf.nest.flatten(element)[0])[0]
+            if static is None
+            else static
+        )
         start, stop = _device_rows(
             size, devices, first, first + devices_per_process
         )
@@ -257,9 +268,12 @@ def _device_rows(size, devices, first, stop):
     As TensorFlow's `_LegacyRebatchDataset` splits a batch of unknown size:
     device d takes rows `[d * c, (d + 1) * c)` of `size` (a scalar tensor),
     `c = ceil(size / devices)`, clipped (64 rows on 3 devices are 22, 22,
-    20; 5 on 4 are 2, 2, 1, 0). Returns scalar tensors of `size`'s dtype.
+    20; 5 on 4 are 2, 2, 1, 0). Returns scalar tensors of `size`'s dtype,
+    or Python ints for an int `size`.
     """
     chunk = (size + devices - 1) // devices
+    if isinstance(size, int):
+        return min(first * chunk, size), min(stop * chunk, size)
     return (
         tf.minimum(first * chunk, size),
         tf.minimum(stop * chunk, size),
