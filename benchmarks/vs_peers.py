@@ -495,8 +495,8 @@ def main():
             if why:
                 print(
                     f"{backend} is missing in {args.peer_python} ({why}): "
-                    'skipped (pip install "keras-replicator[bench,hub,mpi]", or '
-                    "pass --peer-python)"
+                    "skipped (pip install "
+                    '"keras-replicator[bench,hub,mpi]", or pass --peer-python)'
                 )
                 backends.remove(backend)
     if "gemma" in models:
