@@ -122,6 +122,18 @@ def _close(a, b, tol):
     )
 
 
+def _matches_keras_ops_and_one_device(
+    name, floatx, monkeypatch, model, h1, reference
+):
+    """The same fit with Keras' ops for every update, and one device's."""
+    monkeypatch.setattr(compiled_updates, "MIN_ELEMENTS", 1 << 40)
+    stock, h2 = _fit(name, floatx)
+    with helpers.floatx(floatx):
+        assert _compiled_calls(stock) == []
+    _same(stock, h2, model, h1, TOL[floatx])
+    _same(*reference, model, h1, ONE_DEVICE_TOL[floatx])
+
+
 def _compiled_calls(model):
     """The compiled functions one traced train step calls: their devices.
 
@@ -135,9 +147,16 @@ def _compiled_calls(model):
         return strategy.run(model.train_step, args=((x, y),))
 
     dtype = model.compute_dtype
-    graph_def = step.get_concrete_function(
-        tf.TensorSpec([4, 512], dtype), tf.TensorSpec([4, 4], dtype)
-    ).graph.as_graph_def()
+    return _xla_calls(
+        step.get_concrete_function(
+            tf.TensorSpec([4, 512], dtype), tf.TensorSpec([4, 4], dtype)
+        )
+    )
+
+
+def _xla_calls(concrete):
+    """The devices of a traced function's compiled calls, branches included."""
+    graph_def = concrete.graph.as_graph_def()
     nodes = list(graph_def.node)
     for function in graph_def.library.function:
         nodes.extend(function.node_def)
@@ -181,12 +200,9 @@ def test_large_blocks_update_compiled_with_one_devices_numbers(
         if name != "accumulation":  # In a branch: placed when it runs.
             assert len(set(calls)) == 4, calls
     # The same mesh with Keras' ops for every update.
-    monkeypatch.setattr(compiled_updates, "MIN_ELEMENTS", 1 << 40)
-    stock, h2 = _fit(name, floatx)
-    with helpers.floatx(floatx):
-        assert _compiled_calls(stock) == []
-    _same(stock, h2, model, h1, TOL[floatx])
-    _same(one_device, h0, model, h1, ONE_DEVICE_TOL[floatx])
+    _matches_keras_ops_and_one_device(
+        name, floatx, monkeypatch, model, h1, (one_device, h0)
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,12 +227,9 @@ def test_data_parallel_updates_its_large_variables_compiled(
     assert len(calls) == 2 * 4, calls
     if name != "accumulation":  # In a branch: placed when it runs.
         assert len(set(calls)) == 4, calls
-    monkeypatch.setattr(compiled_updates, "MIN_ELEMENTS", 1 << 40)
-    stock, h2 = _fit(name, floatx)
-    with helpers.floatx(floatx):
-        assert _compiled_calls(stock) == []
-    _same(stock, h2, model, h1, TOL[floatx])
-    _same(one_device, h0, model, h1, ONE_DEVICE_TOL[floatx])
+    _matches_keras_ops_and_one_device(
+        name, floatx, monkeypatch, model, h1, (one_device, h0)
+    )
 
 
 def test_one_devices_and_the_users_own_updates_are_keras_own():
@@ -243,10 +256,7 @@ def test_one_devices_and_the_users_own_updates_are_keras_own():
 
         replicator.run(step, args=(x, y))
 
-    graph_def = own_step.get_concrete_function(
+    concrete = own_step.get_concrete_function(
         tf.TensorSpec([4, 512], tf.float32), tf.TensorSpec([4, 4], tf.float32)
-    ).graph.as_graph_def()
-    nodes = list(graph_def.node)
-    for function in graph_def.library.function:
-        nodes.extend(function.node_def)
-    assert not [n for n in nodes if n.attr["_XlaMustCompile"].b]
+    )
+    assert _xla_calls(concrete) == []
