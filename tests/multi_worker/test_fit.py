@@ -58,6 +58,58 @@ def test_fit_matches_single_process(workers, reference):
             helpers.assert_close(a, e, f"weight {i}, worker {w.index}")
 
 
+@pytest.fixture(scope="module")
+def one_replica_workers(reference):
+    # One CPU replica per process, the usual layout, as mpiexec's ranks.
+    tmp = reference["tmp"]
+    return harness.run_workers(
+        WORKER,
+        num_workers=2,
+        replicas_per_worker=1,
+        args=[str(reference["init"]), str(tmp / "out_one")],
+        transport="mpi",
+    )
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+def test_one_replica_per_process_matches_single_process(
+    one_replica_workers, reference
+):
+    test_fit_matches_single_process(one_replica_workers, reference)
+    for w in one_replica_workers:
+        # The process's batches come through a plain tf.data iterator, not
+        # a MultiDeviceIterator (six traced functions per iterator).
+        assert w.result["iterator"] == "OwnedIterator"
+
+
+@pytest.mark.multi_worker
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["2x2", "2x1"])
+def test_metrics_are_read_in_one_all_reduce_and_reset_in_none(
+    workers, one_replica_workers, reference, layout
+):
+    runs = workers if layout == "2x2" else one_replica_workers
+    evaluation = reference["evaluation"]
+    for w in runs:
+        got = w.result
+        # Six sync-on-read sums (loss, accuracy, cross-entropy: a total and
+        # a count each), in one all-reduce, not one each; a reset reads
+        # none back.
+        assert got["metric_variables"] == 6
+        assert got["reduces_to_read"] == 1
+        assert got["reduces_to_reset"] == 0
+        # The metrics hold the last evaluate's: one device's values.
+        assert sorted(got["metrics_result"]) == sorted(evaluation)
+        for name, value in evaluation.items():
+            helpers.assert_close(got["metrics_result"][name], value, name)
+        assert all(v == 0 for v in got["reset_result"].values())
+    if layout == "2x2":
+        assert {w.result["iterator"] for w in runs} == {
+            "OwnedMultiDeviceIterator"
+        }
+
+
 @pytest.mark.multi_worker
 @pytest.mark.timeout(300)
 def test_only_the_first_build_pulls_a_batch(workers):

@@ -39,12 +39,19 @@ multi-worker replicators it is replaced:
   collective (Keras' mean fails with "Inputs to operation AddN ... must
   have the same size and shape" when a replica gets no examples: 3 on 4).
 
+An epoch's logs (`get_metrics_result`) read each metric variable, a
+sync-on-read sum: across workers, one eager all-reduce per variable (a
+mean's total and count: two). Under our multi-worker replicators they are
+summed in one packed all-reduce and the metrics' `result()` reads the sums
+(`keras.StatelessScope`): the same values, one collective per read.
+
 `PATCH.pins` records the exact Keras source lines this relies on;
 `tests/test_patches.py` fails when a Keras upgrade changes them.
 """
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from tensorflow.python.distribute import values as values_lib
@@ -129,6 +136,51 @@ def _packed_reduce_per_replica(original, values, strategy, reduction):
     return original(values, strategy, reduction)
 
 
+def _packed_metrics_result(original, self):
+    strategy = self._distribute_strategy
+    if (
+        traits.kind(strategy) != "multi_worker"
+        or not tf.executing_eagerly()
+        or (
+            tf.distribute.has_strategy()
+            and not tf.distribute.in_cross_replica_context()
+        )
+    ):
+        return original(self)
+    variables, reads = [], []
+    for metric in self.metrics:
+        for variable in metric.variables:
+            stored = getattr(variable, "_value", None)
+            if _summed_on_read(stored):
+                variables.append(variable)
+                reads.append(
+                    values_lib.PerReplica(
+                        tuple(part.read_value() for part in stored.values)
+                    )
+                )
+    if len(variables) < 2:
+        return original(self)
+    with strategy.scope():
+        sums = strategy.reduce("SUM", reads, axis=None)
+    mapping = []
+    for variable, total in zip(variables, sums, strict=True):
+        if variable._value.aggregation == tf.VariableAggregation.MEAN:
+            total = total / strategy.num_replicas_in_sync
+        mapping.append((variable, total))
+    with keras.StatelessScope(state_mapping=mapping):
+        return original(self)
+
+
+def _summed_on_read(stored) -> bool:
+    """A sync-on-read variable whose cross-replica read is a sum or mean."""
+    return (
+        isinstance(stored, tf.distribute.DistributedValues)
+        and stored.synchronization == tf.VariableSynchronization.ON_READ
+        and stored.aggregation
+        in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
+    )
+
+
 PATCH = registry.register(
     registry.Patch(
         name="keras_compat",
@@ -140,6 +192,11 @@ PATCH = registry.register(
                 upstream.TensorFlowTrainer,
                 "_maybe_symbolic_build",
                 _maybe_symbolic_build,
+            ),
+            registry.Target(
+                upstream.TensorFlowTrainer,
+                "get_metrics_result",
+                _packed_metrics_result,
             ),
         ),
         applies_to=frozenset({"local", "multi_worker"}),
@@ -184,6 +241,11 @@ PATCH = registry.register(
                     "self.optimizer is not None and not self.optimizer.built",
                 ),
                 attributes=(f"{upstream.BASE_TRAINER}._symbolic_build",),
+            ),
+            # `_packed_metrics_result` maps what these `result()`s read.
+            registry.Pin(
+                "keras.src.trainers.trainer",
+                ("for metric in self.metrics:", "result = metric.result()"),
             ),
         ),
         delete_when=(

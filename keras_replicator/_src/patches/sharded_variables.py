@@ -27,7 +27,9 @@ Here, under a `ModelParallel` distribution's replicator:
   FULL gradients' norms (a block's squares summed over replicas once per
   copy), as on one device; `_backend_apply_gradients` says which are blocks.
 
-Unsharded variables run the stock code. `PATCH.pins` records the lines.
+Unsharded variables run the stock code, but a sync-on-read variable's
+assignment in cross-replica context (each metric's reset) skips the value's
+read-back, an all-reduce across workers. `PATCH.pins` records the lines.
 """
 
 from __future__ import annotations
@@ -191,9 +193,19 @@ def _handle(original, self):
 
 
 def _direct_assign(original, self, value):
-    if placements.of(self) is None:
-        return original(self, value)
-    return sharded.assign(self, value)
+    if placements.of(self) is not None:
+        return sharded.assign(self, value)
+    stored = self._value
+    if (
+        isinstance(stored, tf.distribute.DistributedValues)
+        and stored.synchronization == tf.VariableSynchronization.ON_READ
+        and tf.distribute.in_cross_replica_context()
+    ):
+        # Keras' assign reads the value back: for a sync-on-read variable
+        # (a metric's reset) an all-reduce across workers, then dropped.
+        stored.assign(tf.cast(value, stored.dtype), read_value=False)
+        return None
+    return original(self, value)
 
 
 def _assign(original, self, value):

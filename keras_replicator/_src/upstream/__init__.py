@@ -38,6 +38,7 @@ from tensorflow.python.data.experimental.ops import (
 )
 from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 from tensorflow.python.distribute import cross_device_ops
+from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.distribute import values as tf_values
@@ -115,8 +116,16 @@ PINS = {
     ),
     "tensorflow.python.distribute.collective_all_reduce_strategy": (
         "CollectiveAllReduceExtended",
+        "CollectiveAllReduceExtended._distribute_datasets_from_function",
+        "CollectiveAllReduceExtended._experimental_distribute_dataset",
+        "CollectiveAllReduceExtended._input_workers_with_options",
+        "CollectiveAllReduceExtended._make_input_context",
     ),
     "tensorflow.python.distribute.cross_device_ops": ("CollectiveAllReduce",),
+    "tensorflow.python.distribute.input_util": (
+        "get_distributed_dataset",
+        "get_distributed_datasets_from_function",
+    ),
     "tensorflow.python.distribute.mirrored_strategy": ("MirroredExtended",),
     "tensorflow.python.distribute.sharded_variable": ("ShardedVariable",),
     "tensorflow.python.distribute.values": ("PerReplica",),
@@ -158,6 +167,7 @@ __all__ = (
     "gen_random",
     "global_state",
     "in_symbolic_scope",
+    "input_util",
     "keras_remat",
     "mirrored_strategy",
     "ps_values",

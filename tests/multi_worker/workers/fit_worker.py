@@ -16,6 +16,7 @@ replicator = kr.MultiWorkerReplicator()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from keras.src.backend.tensorflow import trainer as tf_trainer  # noqa: E402
 
 from tests.multi_worker import fit_reference  # noqa: E402
@@ -57,8 +58,38 @@ spy = keras.callbacks.LambdaCallback(
 history, evaluation, predictions = fit_reference.train(
     model, callbacks=[*callbacks, spy]
 )
+# What reading and resetting the metrics costs across workers: calls of the
+# replicator's `reduce` (each an all-reduce), and the iterator a dataset gets.
+reduces = []
+_stock_reduce = replicator.reduce
+
+
+def _counting_reduce(*args, **kwargs):
+    reduces.append(1)
+    return _stock_reduce(*args, **kwargs)
+
+
+replicator.reduce = _counting_reduce
+with replicator.scope():
+    metrics_result = {
+        k: float(v) for k, v in model.get_metrics_result().items()
+    }
+    reduces_to_read = len(reduces)
+    model.reset_metrics()
+    reduces_to_reset = len(reduces) - reduces_to_read
+    replicator.reduce = _stock_reduce
+    reset_result = {k: float(v) for k, v in model.get_metrics_result().items()}
+dataset = replicator.experimental_distribute_dataset(
+    tf.data.Dataset.range(16).batch(8)
+)
 harness.write_result(
     {
+        "metrics_result": metrics_result,
+        "metric_variables": sum(len(m.variables) for m in model.metrics),
+        "reduces_to_read": reduces_to_read,
+        "reduces_to_reset": reduces_to_reset,
+        "reset_result": reset_result,
+        "iterator": type(iter(dataset)._iterators[0]._iterator).__name__,
         "history": history,
         "evaluation": evaluation,
         "predictions": predictions,
