@@ -1,8 +1,9 @@
-"""Packed gradient all-reduce (wrap_optimizer) vs one all-reduce per tensor.
+"""Packed gradient all-reduce vs one all-reduce per tensor.
 
 The gradient list is ResNet-50's: its 161 trainable tensors, 25.6M floats
-(102 MB). A: `wrap_optimizer`'s all-reduce (`optimizer.all_reduce_mean`,
-gradients packed into ~32 MiB collectives). B: one `ReplicaContext.all_reduce`
+(102 MB). A: the packed all-reduce `optimizer.all_reduce_mean` (gradients
+packed into ~32 MiB collectives; `wrap_optimizer` itself reduces through
+`gradients.wrapped_gradients`). B: one `ReplicaContext.all_reduce`
 per tensor. Measured on 4 local CPU replicas, then on 2 worker processes on
 loopback (1 replica each), in one run; A and B alternate and the median of
 per-pair ratios A/B is reported (> 1: packing is faster).
