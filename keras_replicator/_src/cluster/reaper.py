@@ -4,7 +4,7 @@
 process group (Ctrl-C reaches the launcher only; ending a worker ends what
 it started). A launcher killed by SIGKILL or a crash would leave them
 training as orphans, so each launch first starts this watcher: a child in
-its own session (setsid) reading a pipe on which the launcher names the
+a new process group (setsid), reading a pipe on which the launcher names the
 groups it starts (`+pid`) and ends (`-pid`), and says `exit` before
 closing it. On end-of-file without `exit` the watcher SIGKILLs every group
 still named, at once, and exits.
@@ -40,7 +40,7 @@ class Reaper:
             [sys.executable, "-I", "-S", os.path.abspath(__file__)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
-            # Own session: signals to the launcher's group miss it.
+            # setsid: signals to the launcher's group miss it.
             start_new_session=True,
         )
 

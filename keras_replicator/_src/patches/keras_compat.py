@@ -147,24 +147,23 @@ def _packed_metrics_result(original, self):
         )
     ):
         return original(self)
-    variables, reads = [], []
-    for metric in self.metrics:
-        for variable in metric.variables:
-            stored = getattr(variable, "_value", None)
-            if _summed_on_read(stored):
-                variables.append(variable)
-                reads.append(
-                    values_lib.PerReplica(
-                        tuple(part.read_value() for part in stored.values)
-                    )
-                )
-    if len(variables) < 2:
+    summed = [
+        (variable, variable._value)
+        for metric in self.metrics
+        for variable in metric.variables
+        if _summed_on_read(getattr(variable, "_value", None))
+    ]
+    if len(summed) < 2:
         return original(self)
+    reads = [
+        values_lib.PerReplica(tuple(part.read_value() for part in s.values))
+        for _, s in summed
+    ]
     with strategy.scope():
         sums = strategy.reduce("SUM", reads, axis=None)
     mapping = []
-    for variable, total in zip(variables, sums, strict=True):
-        if variable._value.aggregation == tf.VariableAggregation.MEAN:
+    for (variable, stored), total in zip(summed, sums, strict=True):
+        if stored.aggregation == tf.VariableAggregation.MEAN:
             total = total / strategy.num_replicas_in_sync
         mapping.append((variable, total))
     with keras.StatelessScope(state_mapping=mapping):
