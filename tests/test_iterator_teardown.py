@@ -65,12 +65,22 @@ def test_the_input_fn_wrapper_forwards_attributes_and_copies():
 @pytest.mark.parametrize("how", ["dataset", "function"])
 def test_local_replicator_iterators_do_not_autotune(how):
     replicator = kr.LocalReplicator(2)
+    # Input options keep the MultiDeviceIterator that CPU replicas skip
+    # (`patches/plain_iterator.py`); their plain iterator's pipeline is the
+    # host's, quiet too.
     if how == "dataset":
-        dist = replicator.experimental_distribute_dataset(_dataset())
-    else:
-        dist = replicator.distribute_datasets_from_function(
-            lambda ctx: _dataset().unbatch().batch(4)
+        plain = replicator.experimental_distribute_dataset(_dataset())
+        dist = replicator.experimental_distribute_dataset(
+            _dataset(), tf.distribute.InputOptions()
         )
+    else:
+        fn = lambda ctx: _dataset().unbatch().batch(4)  # noqa: E731
+        plain = replicator.distribute_datasets_from_function(fn)
+        dist = replicator.distribute_datasets_from_function(
+            fn, tf.distribute.InputOptions()
+        )
+    (worker,) = iter(plain)._iterators
+    assert worker._dataset.options().autotune.enabled is False
     iterator = iter(dist)
     devices = _device_stages_autotune(iterator)
     assert devices == [False, False]
@@ -86,7 +96,7 @@ def test_an_explicit_autotune_choice_keeps_tf_data_autotuning():
     options.autotune.enabled = True
     iterator = iter(
         replicator.experimental_distribute_dataset(
-            _dataset().with_options(options)
+            _dataset().with_options(options), tf.distribute.InputOptions()
         )
     )
     devices = _device_stages_autotune(iterator)

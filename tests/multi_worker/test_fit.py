@@ -105,9 +105,7 @@ def test_metrics_are_read_in_one_all_reduce_and_reset_in_none(
             helpers.assert_close(got["metrics_result"][name], value, name)
         assert all(v == 0 for v in got["reset_result"].values())
     if layout == "2x2":
-        assert {w.result["iterator"] for w in runs} == {
-            "OwnedMultiDeviceIterator"
-        }
+        assert {w.result["iterator"] for w in runs} == {"OwnedIterator"}
 
 
 @pytest.mark.multi_worker

@@ -19,6 +19,7 @@ from keras_replicator._src.patches import keras_distribution
 from keras_replicator._src.patches import loop_beats
 from keras_replicator._src.patches import nested_collectives
 from keras_replicator._src.patches import per_replica_jit
+from keras_replicator._src.patches import plain_iterator
 from keras_replicator._src.patches import registry
 from keras_replicator._src.patches import replica_mean
 from keras_replicator._src.patches import shard_state
@@ -42,6 +43,7 @@ __all__ = (
     "loop_beats",
     "nested_collectives",
     "per_replica_jit",
+    "plain_iterator",
     "registry",
     "replica_mean",
     "shard_state",

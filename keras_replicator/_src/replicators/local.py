@@ -8,7 +8,9 @@ import tensorflow as tf
 
 from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.core import validation
+from keras_replicator._src.patches import plain_iterator
 from keras_replicator._src.replicators import base
+from keras_replicator._src.upstream import mirrored_strategy
 
 
 class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
@@ -86,7 +88,16 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         self._collective_key_base = base.next_collective_key_base()
         # E.g. first build from a local batch, collectives in tf.cond, ...
         self._install_patches()
-        super().__init__(devices=device_names)
+        # MirroredStrategy's __init__, with our extended class.
+        tf.distribute.Strategy.__init__(
+            self, _LocalExtended(self, devices=device_names)
+        )
+
+
+class _LocalExtended(
+    plain_iterator.PlainInputExtended, mirrored_strategy.MirroredExtended
+):
+    """CPU replicas read batches in turns (`patches/plain_iterator.py`)."""
 
 
 def _resolve_devices(

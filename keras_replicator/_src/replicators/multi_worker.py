@@ -18,19 +18,13 @@ from keras_replicator._src.cluster import transport as transport_lib
 from keras_replicator._src.core import devices as devices_lib
 from keras_replicator._src.core import env
 from keras_replicator._src.core import validation
+from keras_replicator._src.patches import plain_iterator
 from keras_replicator._src.replicators import base
 from keras_replicator._src.training import hang_watchdog
 from keras_replicator._src.upstream import cars
-from keras_replicator._src.upstream import input_util
 
 _Extended = cars.CollectiveAllReduceExtended
 _CPU_REPLICAS_ENV = env.CPU_REPLICAS
-# A worker's one CPU replica reads its batches where they are, through a
-# plain tf.data iterator (`_MultiWorkerExtended`).
-_PLAIN = tf.distribute.InputOptions(
-    experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
-    experimental_fetch_to_device=False,
-)
 
 
 class MultiWorkerReplicator(
@@ -305,8 +299,11 @@ def _check_timeout(name: str, value: Any) -> None:
     validation.check_positive_number(name, value, allow_none=True, finite=True)
 
 
-class _MultiWorkerExtended(_Extended):
+class _MultiWorkerExtended(plain_iterator.PlainInputExtended, _Extended):
     """Places `count` replicas of `device_type` on each worker.
+
+    CPU replicas read batches in turns from one plain iterator
+    (`patches/plain_iterator.py`).
 
     A replicator created again keeps an already running collective server.
     TF would re-enable collective ops (`context.enable_collective_ops`), and
@@ -340,41 +337,6 @@ class _MultiWorkerExtended(_Extended):
             f"{what} (its initial value's broadcast from the chief)",
         ):
             return super()._create_variable(next_creator, **kwargs)
-
-    # One CPU replica per worker (the usual layout) needs no
-    # `MultiDeviceIterator`: it traces six functions at each iterator Keras
-    # makes, two per `fit` (0.05-0.1 s each, on 2-core machines). tf.data's
-    # per-replica mode, which TF's collective strategy refuses (only
-    # `MirroredStrategy` is allowed it), iterates the dataset on the worker;
-    # `prefetch(1)` keeps the multi-device iterator's one batch ahead. The
-    # same datasets as TF builds: only the iterator differs.
-    def _experimental_distribute_dataset(self, dataset, options):
-        if options is not None or not self._one_cpu_replica():
-            return super()._experimental_distribute_dataset(dataset, options)
-        return input_util.get_distributed_dataset(
-            dataset.prefetch(1),
-            self._input_workers_with_options(_PLAIN),
-            self._container_strategy(),
-            num_replicas_in_sync=self._num_replicas_in_sync,
-            input_context=self._make_input_context(),
-            options=_PLAIN,
-        )
-
-    def _distribute_datasets_from_function(self, dataset_fn, options):
-        if options is not None or not self._one_cpu_replica():
-            return super()._distribute_datasets_from_function(
-                dataset_fn, options
-            )
-        return input_util.get_distributed_datasets_from_function(
-            dataset_fn=lambda ctx: dataset_fn(ctx).prefetch(1),
-            input_workers=self._input_workers_with_options(_PLAIN),
-            input_contexts=[self._make_input_context()],
-            strategy=self._container_strategy(),
-            options=_PLAIN,
-        )
-
-    def _one_cpu_replica(self) -> bool:
-        return self._kr_count == 1 and self._kr_device_type == "CPU"
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         # TF places one replica per CPU worker; logical CPUs need a list.

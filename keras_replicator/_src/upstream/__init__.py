@@ -126,7 +126,12 @@ PINS = {
         "get_distributed_dataset",
         "get_distributed_datasets_from_function",
     ),
-    "tensorflow.python.distribute.mirrored_strategy": ("MirroredExtended",),
+    "tensorflow.python.distribute.mirrored_strategy": (
+        "MirroredExtended",
+        "MirroredExtended._distribute_datasets_from_function",
+        "MirroredExtended._experimental_distribute_dataset",
+        "MirroredExtended._input_workers_with_options",
+    ),
     "tensorflow.python.distribute.sharded_variable": ("ShardedVariable",),
     "tensorflow.python.distribute.values": ("PerReplica",),
     "tensorflow.python.distribute.coordinator.values": (
