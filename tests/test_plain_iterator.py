@@ -151,3 +151,22 @@ def test_fit_is_bit_for_bit_the_multi_device_iterators(monkeypatch):
     for name, values in reference.history.items():
         helpers.assert_close(turns[0][name], values, name)
     helpers.assert_weights_close(turns[3], one.get_weights())
+
+
+def test_one_model_evaluates_either_iterator_kind():
+    # Keras' evaluate function, traced on a MultiDeviceIterator (explicit
+    # input options, as `replicator.distribute` passes), retraces for the
+    # plain one: their specs differ in the input workers.
+    replicator = kr.LocalReplicator(2)
+    with replicator.scope():
+        model = helpers.jit_dense_model("sgd", jit_compile=False)
+    x = np.random.default_rng(1).normal(size=(32, 8)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)
+    stock = replicator.experimental_distribute_dataset(
+        data, tf.distribute.InputOptions()
+    )
+    plain = replicator.experimental_distribute_dataset(data)
+    assert _kind(iter(stock)) == "OwnedMultiDeviceIterator"
+    first = model.evaluate(stock, verbose=0)
+    assert model.evaluate(plain, verbose=0) == first
+    assert model.evaluate(stock, verbose=0) == first

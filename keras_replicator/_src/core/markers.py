@@ -5,6 +5,7 @@ The exact evaluation patch (`patches/exact_eval.py`) reads them.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 # Set on a distributed dataset whose padding carries sample weight 0.
@@ -24,5 +25,5 @@ def is_padded(x: Any) -> bool:
     if getattr(x, PADDED_ATTR, False):
         return True
     # A user's distribute_datasets_from_function(kr.data.shard(...)).
-    input_fn = getattr(x, "_dataset_fn", None)
+    input_fn = inspect.unwrap(getattr(x, "_dataset_fn", None))
     return bool(getattr(input_fn, PADDED_EVAL_ATTR, False))

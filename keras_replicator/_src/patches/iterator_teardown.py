@@ -1,35 +1,24 @@
 """Deleting a distributed iterator without stalling: no tf.data autotune thread.
 
 Under `MultiWorkerReplicator`, `model.fit` returned 3-60 s after its last
-step in about half the runs, the other workers waiting that long in their
-next collective; a plain `MultiWorkerMirroredStrategy` loop stalls the same
-way deleting its iterator, once it ran about ten seconds (stalls ended
-10.24, 20.48 or 40.96 s after it began).
+step in about half the runs, the other workers waiting in their next
+collective (stock `MultiWorkerMirroredStrategy` too, once a loop ran about
+10 s). TensorFlow 2.21 loses a wake-up: `RootDataset`'s autotune thread
+(`Model::OptimizeLoop`) sleeps between optimisations, doubling from 10 ms;
+deleting the iterator cancels and joins it, but the cancellation callback
+wakes it BEFORE the manager is marked cancelled
+(`tsl::CancellationManager::StartCancelWithStatus`), so it sleeps out its
+period. Keras deletes an iterator at the end of every `fit`/`evaluate`/
+`predict` and exhausted epoch; each has an autotuned root for the host
+pipeline and, in a `MultiDeviceIterator`, one per device.
 
-The cause: a lost wake-up in TensorFlow 2.21's autotuned tf.data iterators.
-`RootDataset`'s `Model::OptimizeLoop` thread sleeps between optimisations,
-doubling from 10 ms. Deleting the iterator calls `StartCancel()`, then joins
-it; a cancellation callback wakes the loop BEFORE the manager is marked
-cancelled (`tsl::CancellationManager::StartCancelWithStatus`), so it sees
-`IsCancelled()` false and sleeps out its period (gdb:
-`RootDataset::Iterator::~Iterator` -> `~LogicalThreadWrapper` while
-`OptimizeLoop` waits). A distributed iterator has an autotuned root for the
-host pipeline and one per device; Keras deletes it at the end of every
-`fit`/`evaluate`/`predict` and exhausted epoch. Busy cores make it likelier.
-
-For datasets our in-graph replicators distribute:
-
-- the host pipeline gets `tf.data.Options().autotune.enabled = False` unless
-  the user set an `autotune` option (never overridden). `AUTOTUNE`
-  parallelism then is tf.data's default (at most the cores), and
-  `prefetch(AUTOTUNE)` buffers still grow (the legacy prefetch autotuner);
-- `MultiDeviceIterator`'s per-device stage (a generator and `prefetch(1)`)
-  follows the host's setting: a pinned, reversible patch of
-  `multi_device_iterator_ops`, scoped by the dataset's options.
-
-Measured (benchmarks/RESULTS.md, 2-core VM, TF 2.21), 2 workers deleting
-an iterator after 100 steps of about 0.1 s: 18 of 18 deletions took
-0.15-0.24 s; before, 11 of 18 took 7-62 s.
+For datasets our replicators distribute, the host pipeline gets
+`tf.data.Options().autotune.enabled = False` unless the user set an
+`autotune` option (`AUTOTUNE` parallelism is then tf.data's default, and
+`prefetch(AUTOTUNE)` buffers still grow), and a pinned patch of
+`multi_device_iterator_ops` gives each device's stage the host's setting.
+2 workers deleting an iterator after 100 steps: 18 of 18 took 0.15-0.24 s,
+where 11 of 18 took 7-62 s (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ ahead. Datasets distributed with `options`, and GPUs, keep TF's path.
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import input_lib
 
 from keras_replicator._src.patches import registry
@@ -35,7 +38,7 @@ class PlainInputExtended:
             return super()._experimental_distribute_dataset(dataset, options)
         return input_util.get_distributed_dataset(
             dataset.prefetch(1),
-            self._input_workers_with_options(),
+            self._kr_turns_workers(),
             self._container_strategy(),
             num_replicas_in_sync=self._num_replicas_in_sync,
             input_context=self._kr_input_context(),
@@ -50,9 +53,13 @@ class PlainInputExtended:
         context = self._kr_input_context() or tf.distribute.InputContext(
             num_replicas_in_sync=self._num_replicas_in_sync
         )
+        # `wraps`: `markers.is_padded` unwraps to the sharder's input_fn.
+        prefetched = functools.wraps(dataset_fn)(
+            lambda ctx: dataset_fn(ctx).prefetch(1)
+        )
         return input_util.get_distributed_datasets_from_function(
-            dataset_fn=lambda ctx: dataset_fn(ctx).prefetch(1),
-            input_workers=self._input_workers_with_options(),
+            dataset_fn=prefetched,
+            input_workers=self._kr_turns_workers(),
             input_contexts=[context],
             strategy=self._container_strategy(),
             options=TURNS,
@@ -62,6 +69,15 @@ class PlainInputExtended:
         # A worker's share (CollectiveAllReduceExtended); None in one process.
         make = getattr(self, "_make_input_context", None)
         return make() if make else None
+
+    def _kr_turns_workers(self):
+        # The host, once per replica: distinct from the MultiDeviceIterator's
+        # input workers, so a tf.function traced on one kind retraces for
+        # the other (`DistributedIteratorSpec` compares no options).
+        host = device_util.get_host_for_device(self.worker_devices[0])
+        return input_lib.InputWorkers(
+            [(host, [host] * len(self.worker_devices))]
+        )
 
     def _kr_all_cpu(self) -> bool:
         devices = map(tf.DeviceSpec.from_string, self.worker_devices)
