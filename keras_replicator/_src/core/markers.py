@@ -25,5 +25,9 @@ def is_padded(x: Any) -> bool:
     if getattr(x, PADDED_ATTR, False):
         return True
     # A user's distribute_datasets_from_function(kr.data.shard(...)).
-    input_fn = inspect.unwrap(getattr(x, "_dataset_fn", None))
-    return bool(getattr(input_fn, PADDED_EVAL_ATTR, False))
+    return bool(getattr(input_fn_of(x), PADDED_EVAL_ATTR, False))
+
+
+def input_fn_of(distributed: Any) -> Any:
+    """The user's input function behind our wrappers of it, or None."""
+    return inspect.unwrap(getattr(distributed, "_dataset_fn", None))

@@ -471,14 +471,11 @@ def distribute(
 
     Returns:
         `distribute_datasets_from_function`'s dataset: one pipeline per
-        worker or TPU host, prefetched to the devices.
+        worker or TPU host, prefetched to GPUs and TPUs.
     """
     with strategy.scope():
         input_fn = shard(dataset_or_input_fn, global_batch_size, **options)
-    distributed = strategy.distribute_datasets_from_function(
-        input_fn,
-        options=tf.distribute.InputOptions(experimental_fetch_to_device=True),
-    )
+    distributed = strategy.distribute_datasets_from_function(input_fn)
     if input_fn.steps_per_epoch is not None and hasattr(
         distributed, "_cardinality"
     ):

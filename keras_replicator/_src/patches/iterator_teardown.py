@@ -65,26 +65,12 @@ def without_autotune_thread(dataset):
 def without_autotune_thread_fn(dataset_fn):
     """Wraps a `distribute_datasets_from_function` input function likewise.
 
-    The wrapper forwards attribute reads to `dataset_fn`: the sharder's input
-    functions carry attributes (`padded_eval`) that evaluation reads back.
+    `markers.input_fn_of` unwraps it: evaluation and resumption read the
+    sharder's input functions' attributes (`padded_eval`) back.
     """
-    return _QuietInputFn(dataset_fn)
-
-
-class _QuietInputFn:
-    def __init__(self, dataset_fn):
-        self._dataset_fn = dataset_fn
-        functools.update_wrapper(self, dataset_fn, updated=())
-
-    def __call__(self, input_context):
-        return without_autotune_thread(self._dataset_fn(input_context))
-
-    def __getattr__(self, name):
-        # Only called for attributes this wrapper lacks. Not for dunders or
-        # before __init__ ran (copy, pickle): that would recurse.
-        if name.startswith("__") or name == "_dataset_fn":
-            raise AttributeError(name)
-        return getattr(self._dataset_fn, name)
+    return functools.wraps(dataset_fn)(
+        lambda ctx: without_autotune_thread(dataset_fn(ctx))
+    )
 
 
 def _owned_init(original, self, dataset=None, *args, **kwargs):

@@ -53,7 +53,7 @@ class PlainInputExtended:
         context = self._kr_input_context() or tf.distribute.InputContext(
             num_replicas_in_sync=self._num_replicas_in_sync
         )
-        # `wraps`: `markers.is_padded` unwraps to the sharder's input_fn.
+        # `wraps`, for `markers.input_fn_of`.
         prefetched = functools.wraps(dataset_fn)(
             lambda ctx: dataset_fn(ctx).prefetch(1)
         )

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow as tf
 
+from keras_replicator._src.core import markers
 from keras_replicator._src.core import traits
 from keras_replicator._src.core import versions
 from keras_replicator._src.sharding import checkpoint_files
@@ -271,7 +272,7 @@ def _note_topology(run: Run) -> None:
 def _sharded_input(epoch_iterator):
     """Our sharder's input function behind the fit's data, if it is one."""
     dataset = getattr(epoch_iterator.data_adapter, "_dataset", None)
-    input_fn = getattr(dataset, "_dataset_fn", None)
+    input_fn = markers.input_fn_of(dataset)
     if hasattr(input_fn, "shuffle_seed") and hasattr(input_fn, "policies"):
         return input_fn
     return None
