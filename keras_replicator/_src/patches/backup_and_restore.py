@@ -416,9 +416,6 @@ def _restore(original, self):
     return None
 
 
-# The topology: recorded in every backup, checked on resume.
-
-
 # The data iterator: counted while training, replayed on resume.
 
 

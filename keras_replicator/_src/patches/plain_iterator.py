@@ -1,16 +1,13 @@
 """CPU replicas read their batches in turns from one plain tf.data iterator.
 
-TF feeds a worker's replicas through a `MultiDeviceIterator`, which traces
-about 26 functions per Keras iterator for 4 replicas (two iterators per
-`fit`: 0.3 s on 2 cores) to copy batches between CPUs sharing one memory.
-Our CPU replicas get tf.data's per-replica mode without fetching (`TURNS`)
-over the worker's usual devices, which stock TF never builds (its
-per-replica workers hold one device each). For it alone, the patch takes one
-element per device from one plain iterator: element k goes to replica
-k mod N, as `MultiDeviceIterator` deals them, so the batches are TF's. The
-`get_next` ops share one handle: automatic control dependencies order them
-in `tf.function`. `prefetch(1)` keeps the multi-device iterator's one batch
-ahead. Datasets distributed with `options`, and GPUs, keep TF's path.
+A `MultiDeviceIterator` traces about 26 functions per Keras iterator for 4
+replicas (two per `fit`: 0.3 s on 2 cores) to copy batches between CPUs of
+one memory. Our CPU replicas get per-replica mode without fetching (`TURNS`)
+and the host once per replica as input devices, which stock TF never builds.
+For it alone, the patch takes one element per replica from one iterator:
+element k goes to replica k mod N, as `MultiDeviceIterator` deals them. The
+`get_next` ops share a handle, so `tf.function` keeps their order.
+`prefetch(1)` keeps its one batch ahead. `options=` and GPUs keep TF's path.
 """
 
 from __future__ import annotations
@@ -71,9 +68,8 @@ class PlainInputExtended:
         return make() if make else None
 
     def _kr_turns_workers(self):
-        # The host, once per replica: distinct from the MultiDeviceIterator's
-        # input workers, so a tf.function traced on one kind retraces for
-        # the other (`DistributedIteratorSpec` compares no options).
+        # Not the MultiDeviceIterator's input workers: a function traced on
+        # one retraces for the other (its spec compares no options).
         host = device_util.get_host_for_device(self.worker_devices[0])
         return input_lib.InputWorkers(
             [(host, [host] * len(self.worker_devices))]
