@@ -202,6 +202,37 @@ def test_model_parallel_equals_one_device(name, shape):
         _close(a.numpy(), b.numpy())
 
 
+def _wide_mlp_weights_after_adam():
+    """`benchmarks/vs_jax.py`'s MLP (4 x Dense(2048), batch 64) after 12
+    steps of Adam at 1e-4, under the distribution set (issue #59's)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * 12, 2048)).astype("float32")
+    y = rng.normal(size=(64 * 12, 2048)).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((2048,))]
+        + [
+            keras.layers.Dense(2048, activation="relu", name=f"d{i}")
+            for i in range(3)
+        ]
+        + [keras.layers.Dense(2048, name="d3")]
+    )
+    model.compile(keras.optimizers.Adam(1e-4), "mse")
+    model.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def test_model_parallel_adam_keeps_every_weight_within_1e_5_of_one_device():
+    # Adam turns a gradient's last bits into whole steps where it is near
+    # epsilon; each element is checked, not the largest relative to scale.
+    reference = _wide_mlp_weights_after_adam()
+    keras.distribution.set_distribution(
+        helpers.model_parallel((1, 4), {r".*/d\d/kernel": (None, "model")})
+    )
+    for a, b in zip(reference, _wide_mlp_weights_after_adam(), strict=True):
+        assert float(np.max(np.abs(a - b))) <= 1e-5
+
+
 def test_embedding_is_sharded_as_laid_out_on_every_device():
     keras.distribution.set_distribution(_model_parallel((2, 2), _LAYOUTS))
     model = _embedding_model(OPTIMIZERS["adam"])
