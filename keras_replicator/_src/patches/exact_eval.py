@@ -93,22 +93,13 @@ def _update_compile_metrics(compile_metrics, y, y_pred, sample_weight, mask):
     flatten = getattr(compile_metrics, "_flatten_y", tree.flatten)
     y_true = flatten(y)
     y_pred = flatten(y_pred)
-    for metric, y_t, y_p in zip(
-        compile_metrics._flat_metrics,  # noqa: SLF001
-        y_true,
-        y_pred,
-        strict=False,
+    for metrics, weight in (
+        (compile_metrics._flat_metrics, mask),  # noqa: SLF001
+        (compile_metrics._flat_weighted_metrics, sample_weight),  # noqa: SLF001
     ):
-        if metric:
-            metric.update_state(y_t, y_p, sample_weight=mask)
-    for metric, y_t, y_p in zip(
-        compile_metrics._flat_weighted_metrics,  # noqa: SLF001
-        y_true,
-        y_pred,
-        strict=False,
-    ):
-        if metric:
-            metric.update_state(y_t, y_p, sample_weight=sample_weight)
+        for metric, y_t, y_p in zip(metrics, y_true, y_pred, strict=False):
+            if metric:
+                metric.update_state(y_t, y_p, sample_weight=weight)
 
 
 PATCH = registry.register(
