@@ -96,15 +96,35 @@ class ReplicatorMixin:
             )
         return super().distribute_datasets_from_function(dataset_fn, options)
 
-    def _set_gradient_reduction(self, gradient_reduction: str) -> None:
-        """Validates and keeps the `gradient_reduction` argument."""
+    def _set_options(
+        self,
+        gradient_reduction: str,
+        sync_batch_norm: bool,
+        hang_seconds: float | None,
+        shard_optimizer_state: bool,
+    ) -> None:
+        """Validates and keeps the arguments every replicator takes."""
         if gradient_reduction not in replica_step.GRADIENT_REDUCTIONS:
             raise ValueError(
                 "`gradient_reduction` must be one of "
                 f"{replica_step.GRADIENT_REDUCTIONS}. Received: "
                 f"gradient_reduction={gradient_reduction!r}"
             )
+        flags = {
+            "sync_batch_norm": sync_batch_norm,
+            "shard_optimizer_state": shard_optimizer_state,
+        }
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"`{name}` must be True or False. Received: "
+                    f"{name}={value!r}"
+                )
+        hang_watchdog.check_setting("hang_seconds", hang_seconds)
         self._gradient_reduction = gradient_reduction
+        self._sync_batch_norm = sync_batch_norm
+        self._hang_seconds = hang_seconds
+        self._shard_optimizer_state = shard_optimizer_state
 
     @property
     def gradient_reduction(self) -> str:
@@ -121,15 +141,6 @@ class ReplicatorMixin:
         """
         return getattr(self, "_gradient_reduction", "auto")
 
-    def _set_shard_optimizer_state(self, shard_optimizer_state: bool) -> None:
-        """Validates and keeps the `shard_optimizer_state` argument."""
-        if not isinstance(shard_optimizer_state, bool):
-            raise TypeError(
-                "`shard_optimizer_state` must be True or False. Received: "
-                f"shard_optimizer_state={shard_optimizer_state!r}"
-            )
-        self._shard_optimizer_state = shard_optimizer_state
-
     @property
     def shard_optimizer_state(self) -> bool:
         """Whether optimizers keep 1/N of their per-weight state per replica.
@@ -138,15 +149,6 @@ class ReplicatorMixin:
         `sharding/optimizer_shards.py` and the docs' Speed page.
         """
         return getattr(self, "_shard_optimizer_state", False)
-
-    def _set_sync_batch_norm(self, sync_batch_norm: bool) -> None:
-        """Validates and keeps the `sync_batch_norm` argument."""
-        if not isinstance(sync_batch_norm, bool):
-            raise TypeError(
-                "`sync_batch_norm` must be True or False. Received: "
-                f"sync_batch_norm={sync_batch_norm!r}"
-            )
-        self._sync_batch_norm = sync_batch_norm
 
     @property
     def sync_batch_norm(self) -> bool:
@@ -161,11 +163,6 @@ class ReplicatorMixin:
         them everywhere, for speed (docs/exact.md has the cost).
         """
         return getattr(self, "_sync_batch_norm", True)
-
-    def _set_hang_seconds(self, hang_seconds: float | None) -> None:
-        """Validates and keeps the `hang_seconds` argument."""
-        hang_watchdog.check_setting("hang_seconds", hang_seconds)
-        self._hang_seconds = hang_seconds
 
     @property
     def hang_seconds(self) -> float | None:

@@ -79,10 +79,12 @@ class LocalReplicator(base.ReplicatorMixin, tf.distribute.MirroredStrategy):
         shard_optimizer_state: bool = False,
         sync_batch_norm: bool = True,
     ):
-        self._set_gradient_reduction(gradient_reduction)
-        self._set_sync_batch_norm(sync_batch_norm)
-        self._set_hang_seconds(hang_seconds)
-        self._set_shard_optimizer_state(shard_optimizer_state)
+        self._set_options(
+            gradient_reduction,
+            sync_batch_norm,
+            hang_seconds,
+            shard_optimizer_state,
+        )
         device_names = _resolve_devices(num_replicas, devices)
         # Read by MirroredExtended; see base.next_collective_key_base.
         self._collective_key_base = base.next_collective_key_base()

@@ -101,10 +101,12 @@ class MultiWorkerReplicator(
         shard_optimizer_state: bool = False,
         sync_batch_norm: bool = True,
     ):
-        self._set_gradient_reduction(gradient_reduction)
-        self._set_sync_batch_norm(sync_batch_norm)
-        self._set_hang_seconds(hang_seconds)
-        self._set_shard_optimizer_state(shard_optimizer_state)
+        self._set_options(
+            gradient_reduction,
+            sync_batch_norm,
+            hang_seconds,
+            shard_optimizer_state,
+        )
         validation.check_positive_int(
             "replicas_per_worker", replicas_per_worker, allow_none=True
         )
