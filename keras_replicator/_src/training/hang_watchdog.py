@@ -139,12 +139,13 @@ def interactive() -> bool:
 class _Frame:
     """One watched loop, or one collective outside the loops (`stepless`)."""
 
-    def __init__(self, kind, seconds, task, cluster, where=None):
+    def __init__(self, kind, strategy, where=None, timed=True):
         self.kind = kind
         self.stepless = False
-        self.seconds = seconds
-        self.task = task
-        self.cluster = cluster
+        setting = getattr(strategy, "hang_seconds", None)
+        self.seconds = resolve_seconds(setting) if timed else None
+        self.task = hang_peers.task_of(strategy)
+        self.cluster = hang_peers.Cluster.of(strategy)
         self.where = where
         # Steps finished; the one in flight is `steps + 1`.
         self.steps = 0
@@ -338,10 +339,10 @@ class _Watchdog:
         if since is None or self.paused:
             return False
         idle = now - max(since, frame.last)
-        if idle < warn_seconds(frame.seconds, frame.slowest):
+        bound = warn_seconds(frame.seconds, frame.slowest)
+        if idle < bound:
             return False
         name = preemption.signal_name(preemption.pending())
-        bound = warn_seconds(frame.seconds, frame.slowest)
         where = (
             f", reaching a step end after {name} (a preemption signal waits "
             f"at most {bound:.3g} s for one)"
@@ -558,13 +559,7 @@ class watching:  # noqa: N801 - used as a function, like contextlib's
         kind: str,
         where: Callable[[], str | None] | None = None,
     ):
-        self._frame = _Frame(
-            kind,
-            resolve_seconds(getattr(strategy, "hang_seconds", None)),
-            hang_peers.task_of(strategy),
-            hang_peers.Cluster.of(strategy),
-            where,
-        )
+        self._frame = _Frame(kind, strategy, where)
 
     def __enter__(self):
         self._frame.last = time.monotonic()
@@ -585,15 +580,8 @@ class StepWatch:
     """
 
     def __init__(self, strategy: Any):
-        seconds = None
-        if traits.is_in_graph(strategy):
-            seconds = resolve_seconds(getattr(strategy, "hang_seconds", None))
-        self._frame = _Frame(
-            "replicate",
-            seconds,
-            hang_peers.task_of(strategy),
-            hang_peers.Cluster.of(strategy),
-        )
+        timed = traits.is_in_graph(strategy)
+        self._frame = _Frame("replicate", strategy, timed=timed)
 
     def __enter__(self):
         frame = self._frame
@@ -634,13 +622,7 @@ class CollectiveWatch:
     def __enter__(self):
         if _watchdog.frames:
             return self
-        strategy = self._strategy
-        frame = _Frame(
-            self._what,
-            resolve_seconds(getattr(strategy, "hang_seconds", None)),
-            hang_peers.task_of(strategy),
-            hang_peers.Cluster.of(strategy),
-        )
+        frame = _Frame(self._what, self._strategy)
         frame.stepless = True
         frame.armed = True
         self._frame = frame
