@@ -283,18 +283,13 @@ def _time_launchers(strategy) -> list:
         if not isinstance(ops, cross_device_ops.CollectiveAllReduce):
             continue
         launchers = ops._launchers
-        if any(not _timeable(x) for x in launchers):
+        # MPI's launchers time themselves (`mpi_collectives`).
+        timed = (mpi_collectives.MpiLauncher, TimedLauncher)
+        if any(isinstance(x, timed) for x in launchers):
             continue
         wrapped.append((ops, launchers))
         ops._launchers = [TimedLauncher(x) for x in launchers]
     return wrapped
-
-
-def _timeable(launcher) -> bool:
-    # MPI's launchers time themselves (`mpi_collectives`).
-    return not isinstance(
-        launcher, (mpi_collectives.MpiLauncher, TimedLauncher)
-    )
 
 
 class TimedLauncher:

@@ -138,7 +138,7 @@ def arm(at: float, slack: float, ends: bool, code: int) -> None:
         seconds = max(at - time.monotonic(), 0.001)
         faulthandler.dump_traceback_later(
             seconds,
-            file=_stderr_fd(),
+            file=stderr_fd(),
             # Without a timer, faulthandler ends the process itself.
             exit=ends and timer is None,
         )
@@ -163,7 +163,8 @@ def armed_at() -> float | None:
     return _backstop.at
 
 
-def _stderr_fd() -> int:
+def stderr_fd() -> int:
+    """The file descriptor of standard error, for `faulthandler`."""
     try:
         return sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):

@@ -369,7 +369,9 @@ class _Watchdog:
             "thread's Python stack follows (the loop's thread is where it "
             "waits)."
         )
-        _dump_stacks()
+        faulthandler.dump_traceback(
+            file=hang_backstop.stderr_fd(), all_threads=True
+        )
         if in_session:
             hang_backstop.cancel()
             _print(
@@ -461,14 +463,6 @@ def warn_seconds(seconds: float, slowest: float) -> float:
 def _print(line: str) -> None:
     sys.stdout.flush()
     print(line, file=sys.stderr, flush=True)
-
-
-def _dump_stacks() -> None:
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        fd = 2  # A replaced sys.stderr (e.g. captured): the real one.
-    faulthandler.dump_traceback(file=fd, all_threads=True)
 
 
 def _interrupt(thread_id: int) -> None:
