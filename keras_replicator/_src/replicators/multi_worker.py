@@ -64,8 +64,7 @@ class MultiWorkerReplicator(
             60 s bound: 12,000 threads), and a step that legitimately waits
             longer (the chief saving a large checkpoint) fails. For debugging;
             `hang_seconds` catches hangs at no cost per step.
-        gradient_reduction: `"auto"`, `"mean"` or `"sum"` (the property of
-            that name). Defaults to `"auto"`.
+        gradient_reduction: As in `LocalReplicator`. Defaults to `"auto"`.
         hang_seconds: After this many seconds without a finished step in
             `fit`, `evaluate`, `predict` or `replicate`, the worker prints
             every thread's stack and exits with code 76 (restarted by
@@ -73,9 +72,7 @@ class MultiWorkerReplicator(
             and checkpoint saves (anyone's) get up to 5 times the timeout; a
             stall warning names the workers behind. 0 turns it off.
             Defaults to None: `KERAS_REPLICATOR_HANG_SECONDS`, else 600.
-        sync_batch_norm: `BatchNormalization` statistics over the global
-            batch in Keras and `replicate` steps (the property of that
-            name). Defaults to True.
+        sync_batch_norm: As in `LocalReplicator`. Defaults to True.
         shard_optimizer_state: ZeRO stage 1 (see `LocalReplicator`);
             checkpoints gather the full state from every worker, so every
             worker must save (as `fit`'s callbacks do). Defaults to False.
@@ -154,7 +151,10 @@ class MultiWorkerReplicator(
         process_layout.advise_once(config, device_type, count)
         _say_transport_once(config, self._transport)
         if not config.is_chief:
-            _chief_says_upstream_warnings()
+            # Keras' and TF's warnings only in the chief's output, not the
+            # same ones from every worker (`shuffle=True ... ignored`); the
+            # program's and this package's still print everywhere.
+            warnings.filterwarnings("ignore", module=_UPSTREAM_MODULES)
 
     def reduce(self, reduce_op, value, axis=None):
         """Reduces `value` across every replica of every worker.
@@ -236,16 +236,6 @@ _said_transport = False
 
 # Modules that Keras' and TensorFlow's warnings are attributed to.
 _UPSTREAM_MODULES = r"(keras|tensorflow|tf_keras|keras_hub)(\.|$)"
-
-
-def _chief_says_upstream_warnings() -> None:
-    """Keeps Keras' and TensorFlow's warnings to the chief's output.
-
-    Otherwise every worker prints the same ones (`shuffle=True ... ignored`,
-    `Skipping variable loading for optimizer`). The program's and this
-    package's warnings still print everywhere.
-    """
-    warnings.filterwarnings("ignore", module=_UPSTREAM_MODULES)
 
 
 def _say_transport_once(config, choice) -> None:
