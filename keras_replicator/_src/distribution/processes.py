@@ -103,23 +103,18 @@ def cluster_from_arguments(
         addresses = [str(a) for a in job_addresses]
     if num_processes is None:
         num_processes = len(addresses) or None
+    if process_id is not None and process_id >= (num_processes or 1):
+        raise ValueError(
+            "`process_id` must be below `num_processes`. Received: "
+            f"process_id={process_id}, num_processes={num_processes}"
+        )
     if num_processes is None or num_processes == 1:
-        if process_id not in (None, 0):
-            raise ValueError(
-                "`process_id` must be below `num_processes`. Received: "
-                f"process_id={process_id}, num_processes={num_processes}"
-            )
         return None
     if process_id is None:
         raise ValueError(
             "`process_id` is needed with several processes (or set "
             "KERAS_DISTRIBUTION_PROCESS_ID). Received: process_id=None, "
             f"num_processes={num_processes}"
-        )
-    if process_id >= num_processes:
-        raise ValueError(
-            "`process_id` must be below `num_processes`. Received: "
-            f"process_id={process_id}, num_processes={num_processes}"
         )
     if len(addresses) != num_processes:
         raise ValueError(
