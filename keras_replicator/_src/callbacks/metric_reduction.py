@@ -142,13 +142,11 @@ class MetricReduction(keras.callbacks.Callback):
         tracker = getattr(self.model, "_loss_tracker", None)
         count = getattr(tracker, "count", None)
         if count is None:
-            examples = 1.0
-        else:
-            value = getattr(count, "value", count)
-            local = getattr(value, "values", (value,))
-            # The worker's own replicas only: no collective here.
-            examples = float(sum(np.asarray(v) for v in local))
-        return examples
+            return 1.0
+        value = getattr(count, "value", count)
+        local = getattr(value, "values", (value,))
+        # The worker's own replicas only: no collective here.
+        return float(sum(np.asarray(v) for v in local))
 
     def _reduce_other(self, logs, metric_keys, examples):
         strategy = self.model.distribute_strategy
@@ -190,19 +188,14 @@ class MetricReduction(keras.callbacks.Callback):
         callbacks = _enclosing_callback_list(self)
         if callbacks is None:
             return
-        mine = [i for i, c in enumerate(callbacks) if c is self]
-        others = [
-            i
-            for i, c in enumerate(callbacks)
-            if isinstance(c, MetricReduction) and c is not self
-        ]
-        if others:
+        mine = next(i for i, c in enumerate(callbacks) if c is self)
+        if sum(isinstance(c, MetricReduction) for c in callbacks) > 1:
             raise ValueError(
                 "Use one MetricReduction callback per fit; two would "
                 "reduce the logs twice. Received: callbacks="
                 f"{_names(callbacks)}"
             )
-        before = [c for c in callbacks[: mine[0]] if isinstance(c, LOG_READERS)]
+        before = [c for c in callbacks[:mine] if isinstance(c, LOG_READERS)]
         if before:
             raise ValueError(
                 "MetricReduction must come before callbacks that read logs, "
