@@ -72,11 +72,11 @@ class LinearWarmup(keras.callbacks.Callback):
         warmup_steps: int | None = None,
     ):
         super().__init__()
-        _check_positive("warmup_epochs", warmup_epochs)
+        validation.check_positive_number("warmup_epochs", warmup_epochs)
         if warmup_steps is not None:
-            _check_positive("warmup_steps", warmup_steps)
+            validation.check_positive_number("warmup_steps", warmup_steps)
         if scale is not None:
-            _check_positive("scale", scale)
+            validation.check_positive_number("scale", scale)
             if scale < 1:
                 raise ValueError(
                     "`scale` must be at least 1 (the target rate is the "
@@ -169,7 +169,3 @@ class LinearWarmup(keras.callbacks.Callback):
         """Counts steps (up to the execution's last step)."""
         last = versions.batch_end_step(self.model, batch)
         self._seen = self._offset + last + 1
-
-
-def _check_positive(name, value):
-    validation.check_positive_number(name, value)

@@ -95,8 +95,8 @@ def shard(
         raise ValueError(
             f"`mode` must be one of {_MODES}. Received: mode={mode!r}"
         )
-    _check_positive_int("global_batch_size", global_batch_size)
-    _check_positive_int("shuffle_buffer_size", shuffle_buffer_size)
+    validation.check_positive_int("global_batch_size", global_batch_size)
+    validation.check_positive_int("shuffle_buffer_size", shuffle_buffer_size)
     if shuffle_seed is not None and not validation.is_int(shuffle_seed):
         raise TypeError(
             "`shuffle_seed` must be an integer or None. "
@@ -111,7 +111,7 @@ def shard(
             f"dataset_or_input_fn={dataset_or_input_fn!r}"
         )
     strategy = tf.distribute.get_strategy()
-    _check_divisible(global_batch_size, strategy.num_replicas_in_sync)
+    check_divisible(global_batch_size, strategy.num_replicas_in_sync)
     if static_shapes is None:
         static_shapes = isinstance(strategy, tf.distribute.TPUStrategy)
     return ShardedInput(
@@ -195,7 +195,7 @@ class ShardedInput:
         """
         replicas = ctx.num_replicas_in_sync
         pipelines = ctx.num_input_pipelines
-        _check_divisible(self.global_batch_size, replicas)
+        check_divisible(self.global_batch_size, replicas)
         if replicas % pipelines:
             raise ValueError(
                 "Every input pipeline must feed the same number of replicas. "
@@ -426,10 +426,8 @@ def _check_fully_defined(spec: Any) -> None:
             )
 
 
-_check_positive_int = validation.check_positive_int
-
-
-def _check_divisible(global_batch_size: int, replicas: int) -> None:
+def check_divisible(global_batch_size: int, replicas: int) -> None:
+    """Raises ValueError unless the batch splits evenly over `replicas`."""
     if global_batch_size % replicas:
         raise ValueError(
             "The global batch size must be divisible by the number of "

@@ -206,15 +206,9 @@ class ReplicatorMixin:
             ValueError: If `global_batch_size` is not a positive integer
                 divisible by the number of replicas.
         """
-        _check_positive_int("global_batch_size", global_batch_size)
+        validation.check_positive_int("global_batch_size", global_batch_size)
         replicas = self.num_replicas_in_sync
-        if global_batch_size % replicas:
-            raise ValueError(
-                f"The global batch size must be divisible by the number of "
-                f"replicas ({replicas}). Received: "
-                f"global_batch_size={global_batch_size}, "
-                f"num_replicas_in_sync={replicas}"
-            )
+        dataset_sharder.check_divisible(global_batch_size, replicas)
         return global_batch_size // replicas
 
     def global_batch_size(self, per_replica_batch_size: int) -> int:
@@ -229,7 +223,9 @@ class ReplicatorMixin:
         Raises:
             ValueError: If `per_replica_batch_size` is not a positive integer.
         """
-        _check_positive_int("per_replica_batch_size", per_replica_batch_size)
+        validation.check_positive_int(
+            "per_replica_batch_size", per_replica_batch_size
+        )
         return per_replica_batch_size * self.num_replicas_in_sync
 
     def distribute(self, dataset_or_input_fn, global_batch_size, **options):
@@ -331,6 +327,3 @@ class ReplicatorMixin:
             f"{type(self).__name__}(num_replicas_in_sync="
             f"{self.num_replicas_in_sync}, devices={list(devices)})"
         )
-
-
-_check_positive_int = validation.check_positive_int
