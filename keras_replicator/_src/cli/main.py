@@ -195,13 +195,9 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         # A missing script fails here, before anything is printed or run.
         command, note = launch.prepare_command(command, swap_python)
-    except ValueError as e:
-        print(f"keras-replicator launch: error: {e}", file=sys.stderr)
-        return 2
-    if note:
-        print(note, file=sys.stderr, flush=True)
-    # The one-process advice is the chief's (cluster/process_layout.py).
-    try:
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        # The one-process advice is the chief's (cluster/process_layout.py).
         return launch.launch(
             command,
             workers=args.workers,
