@@ -345,9 +345,7 @@ def _forwarding(signals, received: list[int]):
         del frame
         received.append(signum)
 
-    previous = {}
-    for sig in signals:
-        previous[sig] = signal.signal(sig, record)
+    previous = {sig: signal.signal(sig, record) for sig in signals}
     if signal.SIGTERM not in previous:
         # Not a preemption signal: SIGTERM ends every worker now, like Ctrl-C.
         previous[signal.SIGTERM] = signal.signal(
@@ -717,7 +715,5 @@ def _end_all(procs: Sequence[subprocess.Popen]) -> None:
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     if proc.poll() is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass

@@ -16,6 +16,7 @@ too), unlike Linux's `PR_SET_PDEATHSIG`, which reaches the direct child.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -55,11 +56,8 @@ class Reaper:
     def close(self) -> None:
         """Ends the watcher without killing anything."""
         self._send(_EXIT)
-        with self._lock:
-            try:
-                self._proc.stdin.close()
-            except OSError:
-                pass
+        with self._lock, contextlib.suppress(OSError):
+            self._proc.stdin.close()
         try:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -73,12 +71,9 @@ class Reaper:
         self.close()
 
     def _send(self, line: str) -> None:
-        with self._lock:
-            try:
-                self._proc.stdin.write(line.encode() + b"\n")
-                self._proc.stdin.flush()
-            except (OSError, ValueError):
-                pass
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            self._proc.stdin.write(line.encode() + b"\n")
+            self._proc.stdin.flush()
 
 
 def _watch() -> None:
@@ -105,10 +100,8 @@ def _watch() -> None:
             elif line[:1] == "-" and line[1:].isdigit():
                 groups.discard(int(line[1:]))
     for group in sorted(groups):
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(group, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 if __name__ == "__main__":

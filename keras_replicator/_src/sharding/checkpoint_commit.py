@@ -8,6 +8,7 @@ the commit is the index's rename.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -264,10 +265,8 @@ def yield_to_training() -> None:
     """
     if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass
 
 
 def start(handle, arguments, timeout, on_commit) -> None:
@@ -285,10 +284,8 @@ def start(handle, arguments, timeout, on_commit) -> None:
             write(*arguments, timeout, on_commit, handle._stop)
         except checkpoint_files.Abandoned:
             for path in checkpoint_files.part_files(directory / name, process):
-                try:
+                with contextlib.suppress(OSError):
                     path.unlink()
-                except OSError:
-                    pass
         except BaseException as error:  # Re-raised by `wait()`.
             handle._error = error
             _logger.error(

@@ -8,6 +8,7 @@ not counted as a hang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -43,14 +44,10 @@ class Cluster:
 
         key = _KEY_PREFIX + self.task
         # The store never overwrites: delete, then insert (readers wait).
-        try:
+        with contextlib.suppress(Exception):  # no key yet, or no service
             context.context().delete_config_key_value(key)
-        except Exception:  # noqa: BLE001 - no key yet, or no service
-            pass
-        try:
+        with contextlib.suppress(Exception):  # reported as "no report"
             context.context().set_config_key_value(key, json.dumps(state))
-        except Exception:  # noqa: BLE001 - reported as "no report"
-            pass
 
     def read(self) -> dict[str, dict | None]:
         from keras_replicator._src.upstream import context
@@ -63,13 +60,11 @@ class Cluster:
             states[peer] = None
             if left < 1:
                 continue
-            try:
+            with contextlib.suppress(Exception):  # not published, or no service
                 text = context.context().get_config_key_value(
                     _KEY_PREFIX + peer, timeout_in_ms=left
                 )
                 states[peer] = json.loads(text)
-            except Exception:  # noqa: BLE001 - not published, or no service
-                pass
         return states
 
 
