@@ -418,12 +418,8 @@ def call_original(original: Callable[..., Any], *args, **kwargs) -> Any:
         warnings.simplefilter("always")
         result = original(*args, **kwargs)
     for warning in caught:
-        filename, lineno, module, frame = (
-            warning.filename,
-            warning.lineno,
-            _module_of(warning.filename),
-            None,
-        )
+        filename, lineno = warning.filename, warning.lineno
+        module, frame = _module_of(filename), None
         if _is_ours(filename):
             frame = sys._getframe(1)
             while frame is not None and _is_ours(frame.f_code.co_filename):
