@@ -233,6 +233,31 @@ def test_model_parallel_adam_keeps_every_weight_within_1e_5_of_one_device():
         assert float(np.max(np.abs(a - b))) <= 1e-5
 
 
+@pytest.mark.parametrize("layer", ["dense", "einsum_dense"])
+def test_model_parallel_bias_layers_predict_one_devices_bits(layer):
+    # TensorFlow 2.22 fuses one device's product and bias add (its sums
+    # start from the bias); each block's product adds its bias alike.
+    def predictions():
+        keras.utils.set_random_seed(3)
+        make = {
+            "dense": lambda i: keras.layers.Dense(
+                512, activation="relu", name=f"d{i}"
+            ),
+            "einsum_dense": lambda i: keras.layers.EinsumDense(
+                "ab,bc->ac", 512, bias_axes="c", activation="relu", name=f"d{i}"
+            ),
+        }[layer]
+        model = keras.Sequential([keras.Input((512,)), make(0), make(1)])
+        x = np.random.default_rng(0).normal(size=(64, 512)).astype("float32")
+        return model.predict(x, batch_size=64, verbose=0)
+
+    reference = predictions()
+    keras.distribution.set_distribution(
+        helpers.model_parallel((1, 4), {r".*/d\d/kernel": (None, "model")})
+    )
+    np.testing.assert_array_equal(predictions(), reference)
+
+
 def test_embedding_is_sharded_as_laid_out_on_every_device():
     keras.distribution.set_distribution(_model_parallel((2, 2), _LAYOUTS))
     model = _embedding_model(OPTIMIZERS["adam"])

@@ -15,6 +15,9 @@ Here, under a `ModelParallel` distribution's replicator:
   step, the value assembled on the host, for `numpy()`, `get_weights`,
   `save_weights` and `model.save`;
 - `Variable.handle` is the stored block's (what `GradientTape` watches);
+- `Dense.call` and `EinsumDense.call` of a sharded kernel and its own bias
+  add the bias in the product's op (`contraction.contract`), as one
+  device's fused product adds it;
 - `Variable._direct_assign` cuts a full value into blocks;
 - `H5IOStore.__getitem__` is a read-only memory map of a `.weights.h5`
   value where one means it exactly (`sharded.mapped_dataset`), so loading
@@ -38,6 +41,7 @@ import contextlib
 import threading
 
 import h5py
+import keras
 import tensorflow as tf
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
@@ -162,6 +166,47 @@ def _einsum(original, subscripts, *operands, **kwargs):
                 lambda a, b: original(subscripts, a, b),
             )
     return original(subscripts, *operands, **kwargs)
+
+
+def _biased_call(original, self, inputs, training=None):
+    # Stock `Dense.call`/`EinsumDense.call` (pinned) with a sharded kernel
+    # and a bias of its own: the product adds the bias itself, in each block
+    # (`contraction.contract`), then the activation as stock.
+    kernel = getattr(self, "_kernel", None)
+    bias = self.bias
+    ctx = contraction.in_step(kernel)
+    if (
+        ctx is None
+        or bias is None
+        or placements.of(bias) is not None
+        or getattr(self, "lora_enabled", False)
+        or getattr(self, "quantization_mode", None)
+    ):
+        return original(self, inputs, training=training)
+    einsum = isinstance(self, keras.layers.EinsumDense)
+    equation = (
+        self.equation if einsum else contraction.matmul_equation(inputs, False)
+    )
+    bias = tf.convert_to_tensor(bias)
+    if (
+        not equation
+        or not tf.is_tensor(inputs)
+        or inputs.dtype != bias.dtype
+        or not contraction.labels(equation, inputs, kernel)
+    ):
+        return original(self, inputs, training=training)
+    stock = registry.original(
+        upstream.tf_numpy, "einsum" if einsum else "matmul"
+    )
+    x = contraction.contract(
+        equation,
+        inputs,
+        kernel,
+        ctx,
+        (lambda a, b: stock(equation, a, b)) if einsum else stock,
+        bias=bias,
+    )
+    return x if self.activation is None else self.activation(x)
 
 
 def _take(original, x, indices, axis=None):
@@ -464,6 +509,8 @@ PATCH = registry.register(
             registry.Target(upstream.tf_numpy, "matmul", _matmul),
             registry.Target(upstream.tf_numpy, "einsum", _einsum),
             registry.Target(upstream.tf_numpy, "transpose", _transpose),
+            registry.Target(keras.layers.Dense, "call", _biased_call),
+            registry.Target(keras.layers.EinsumDense, "call", _biased_call),
             registry.Target(upstream.tf_numpy, "take", _take),
             registry.Target(_Variable, "_direct_assign", _direct_assign),
             registry.Target(_Variable, "assign", _assign),
@@ -493,6 +540,23 @@ PATCH = registry.register(
         ),
         applies_to=KINDS,
         pins=(
+            # `_biased_call` is their `call` where the kernel is sharded.
+            registry.Pin(
+                "keras.src.layers.core.dense",
+                (
+                    "x = ops.matmul(inputs, self.kernel)",
+                    "x = ops.add(x, self.bias)",
+                    "x = self.activation(x)",
+                ),
+            ),
+            registry.Pin(
+                "keras.src.layers.core.einsum_dense",
+                (
+                    "x = ops.einsum(self.equation, inputs, self.kernel)",
+                    "x = ops.add(x, self.bias)",
+                    "x = self.activation(x)",
+                ),
+            ),
             # `_h5_value` reads the store's current group of values.
             registry.Pin(
                 "keras.src.saving.saving_lib",
