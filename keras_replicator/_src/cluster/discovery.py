@@ -155,8 +155,9 @@ def _from_slurm(env: Mapping[str, str]) -> Discovered:
     tasks_var = _first(
         env, ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
     )
-    if tasks_var is None:
-        per_node = _even_tasks_per_node(size, nodes)
+    if tasks_var is None:  # Slurm's block layout: the first nodes get more.
+        share, extra = divmod(size, len(nodes))
+        per_node = [share + (i < extra) for i in range(len(nodes))]
     else:
         per_node = expand_tasks_per_node(env[tasks_var])
     if len(per_node) != len(nodes) or sum(per_node) != size:
@@ -186,11 +187,6 @@ def _from_slurm(env: Mapping[str, str]) -> Discovered:
     return Discovered(
         "slurm", rank, size, local_rank, local_size, tuple(workers)
     )
-
-
-def _even_tasks_per_node(size: int, nodes: list[str]) -> list[int]:
-    share, extra = divmod(size, len(nodes))
-    return [share + (i < extra) for i in range(len(nodes))]
 
 
 def _slurm_port_base(env: Mapping[str, str]) -> int:

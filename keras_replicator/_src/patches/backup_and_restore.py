@@ -252,7 +252,7 @@ def _save_model(original, self):
     # A save may take long; the hang watchdog's clock stops meanwhile.
     target = chief_only.real_backup_dir(self)
     with hang_watchdog.paused(), trace_events.span("backup", trace_events.SAVE):
-        if _local(target) and _has_sharded_variables(self.model):
+        if _local(target) and placements.any_sharded(self.model.weights):
             return _save_sharded(self, run, target)
         return _save_atomically(original, self, run)
 
@@ -279,10 +279,6 @@ def _finish_backups(abandon_deleted: bool) -> None:
                 save._abandon()
             else:
                 save.wait()
-
-
-def _has_sharded_variables(model) -> bool:
-    return any(placements.of(v) is not None for v in model.weights)
 
 
 def _save_sharded(self, run: resumption.Run, target: str) -> None:

@@ -396,12 +396,9 @@ def _disable_inner_all_reduce(optimizer) -> None:
                 "`_all_reduce_sum_gradients` it replaces (set KERAS_BACKEND="
                 f"tensorflow). Received: optimizer={optimizer!r}"
             )
-        optimizer._all_reduce_sum_gradients = _already_reduced
+        # Gradients come already reduced: pass them on as a list.
+        optimizer._all_reduce_sum_gradients = list
         optimizer = getattr(optimizer, "inner_optimizer", None)
-
-
-def _already_reduced(grads_and_vars):
-    return list(grads_and_vars)
 
 
 def _to_dense(g):
