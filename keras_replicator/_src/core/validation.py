@@ -31,9 +31,7 @@ def check_positive_int(
     if value is None and allow_none:
         return
     if not is_int(value) or value < 1:
-        allowed = (
-            "a positive integer or None" if allow_none else "a positive integer"
-        )
+        allowed = "a positive integer" + (" or None" if allow_none else "")
         raise ValueError(
             f"`{name}` must be {allowed}. Received: {name}={value!r}"
         )

@@ -87,9 +87,7 @@ def cluster_from_arguments(
     if num_processes is not None:
         validation.check_positive_int("num_processes", num_processes)
     if process_id is not None and (
-        isinstance(process_id, bool)
-        or not isinstance(process_id, int)
-        or process_id < 0
+        not validation.is_int(process_id) or process_id < 0
     ):
         raise ValueError(
             "`process_id` must be an integer >= 0. "

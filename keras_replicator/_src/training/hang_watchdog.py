@@ -58,6 +58,7 @@ from typing import Any
 
 from keras_replicator._src.core import env
 from keras_replicator._src.core import traits
+from keras_replicator._src.core import validation
 from keras_replicator._src.training import hang_backstop
 from keras_replicator._src.training import hang_peers
 from keras_replicator._src.training import preemption
@@ -114,12 +115,9 @@ def resolve_seconds(setting: float | None = None) -> float | None:
 
 def check_setting(name: str, value: Any) -> None:
     """Raises ValueError unless `value` is None, 0 or positive and finite."""
-    ok = value is None or (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and 0 <= value < math.inf
-    )
-    if not ok:
+    if value is not None and not (
+        validation.is_number(value) and 0 <= value < math.inf
+    ):
         raise ValueError(
             f"`{name}` must be None (read `{env.HANG_SECONDS}`, default "
             f"{DEFAULT_SECONDS:g}), 0 (off) or a positive number of seconds. "
