@@ -385,30 +385,25 @@ def _restore(original, self):
         # A ModelParallel run's backup loads onto whatever this run has.
         if not self.model.built:
             return original(self)  # Keras' own error for an unbuilt model.
+        source = sharded
         metadata = checkpoint.load(self.model, sharded)
         self.model._initial_epoch = metadata["epoch"]
-        if getattr(run.strategy, "is_chief", True):
-            resumption.say_restored(
-                sharded, metadata, resumption.describe_strategy(run.strategy)
-            )
-        resumption.resume_from(run, metadata, sharded, target, self.model)
-        return None
-    source = target
-    if not os.path.isdir(target) and os.path.isdir(
-        target + resumption.PREVIOUS_SUFFIX
-    ):
-        source = target + resumption.PREVIOUS_SUFFIX
-    with _paths_in(self, source):
-        original(self)
-    metadata_path = os.path.join(source, resumption.METADATA_FILE)
-    if os.path.exists(metadata_path):
+    else:
+        previous = target + resumption.PREVIOUS_SUFFIX
+        only_previous = not os.path.isdir(target) and os.path.isdir(previous)
+        source = previous if only_previous else target
+        with _paths_in(self, source):
+            original(self)
+        metadata_path = os.path.join(source, resumption.METADATA_FILE)
+        if not os.path.exists(metadata_path):
+            return None
         with open(metadata_path) as f:
             metadata = json.load(f)
-        if getattr(run.strategy, "is_chief", True):
-            resumption.say_restored(
-                source, metadata, resumption.describe_strategy(run.strategy)
-            )
-        resumption.resume_from(run, metadata, source, target, self.model)
+    if getattr(run.strategy, "is_chief", True):
+        resumption.say_restored(
+            source, metadata, resumption.describe_strategy(run.strategy)
+        )
+    resumption.resume_from(run, metadata, source, target, self.model)
     return None
 
 
