@@ -187,9 +187,7 @@ def all_reduce_sum(
 
 
 def all_gather(
-    tensor: tf.Tensor,
-    timeout_seconds: float | None = None,
-    equal: bool = False,
+    tensor: tf.Tensor, timeout_seconds: float | None = None, equal: bool = False
 ) -> tf.Tensor:
     """Concatenates every process's tensor along axis 0, in rank order.
 

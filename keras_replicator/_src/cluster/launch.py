@@ -398,10 +398,7 @@ def _rank_prefix_options(mpiexec: str) -> tuple[list[str], bool]:
     """
     try:
         version = subprocess.run(
-            [mpiexec, "--version"],
-            capture_output=True,
-            text=True,
-            timeout=30,
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return [], False

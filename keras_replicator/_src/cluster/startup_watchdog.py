@@ -62,9 +62,7 @@ def message(lost: Sequence[str], timeout_seconds: float, me: str) -> str:
 
 @contextlib.contextmanager
 def bounded_startup(
-    cluster: Mapping[str, Sequence[str]],
-    me: str,
-    timeout_seconds: float | None,
+    cluster: Mapping[str, Sequence[str]], me: str, timeout_seconds: float | None
 ) -> Iterator[None]:
     """Ends the process if the body (the start-up) outlasts `timeout_seconds`.
 

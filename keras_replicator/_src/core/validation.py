@@ -55,11 +55,7 @@ def check_non_negative_int(name: str, value: object) -> None:
 
 
 def check_positive_number(
-    name: str,
-    value: object,
-    *,
-    allow_none: bool = False,
-    finite: bool = False,
+    name: str, value: object, *, allow_none: bool = False, finite: bool = False
 ) -> None:
     """Raises unless `value` is a number > 0 (finite, or None, if asked).
 

@@ -151,10 +151,7 @@ def initialize(
     if found is not None:
         # The launcher's cluster; Keras' counts, if given, must agree.
         size, rank = found
-        if num_processes not in (None, size) or process_id not in (
-            None,
-            rank,
-        ):
+        if num_processes not in (None, size) or process_id not in (None, rank):
             raise ValueError(
                 "`num_processes`/`process_id` disagree with the cluster "
                 f"found here ({size} processes, this one {rank}). Received: "

@@ -274,10 +274,7 @@ def _device_rows(size, devices, first, stop):
     chunk = (size + devices - 1) // devices
     if isinstance(size, int):
         return min(first * chunk, size), min(stop * chunk, size)
-    return (
-        tf.minimum(first * chunk, size),
-        tf.minimum(stop * chunk, size),
-    )
+    return tf.minimum(first * chunk, size), tf.minimum(stop * chunk, size)
 
 
 def _distribute_dataset(original, self, dataset):
@@ -351,11 +348,7 @@ def _make_current(strategy) -> None:
 # through the defining module.
 _SET_OWNERS = tuple(
     dict.fromkeys(
-        (
-            distribution_lib,
-            keras_src_distribution,
-            keras.distribution,
-        )
+        (distribution_lib, keras_src_distribution, keras.distribution)
     )
 )
 

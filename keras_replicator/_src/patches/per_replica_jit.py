@@ -115,8 +115,7 @@ def _make_function(original, self, step_function):
     if _wants_sharded_jit(self):
         scoped = _in_jit_scope(step_function)
         return _with_jit_off(
-            self,
-            lambda: _batch_in_graph(self, original(self, scoped), scoped),
+            self, lambda: _batch_in_graph(self, original(self, scoped), scoped)
         )
     if not _wants_per_replica_jit(self):
         return _batch_in_graph(
@@ -126,8 +125,7 @@ def _make_function(original, self, step_function):
     # outer step in its tf.function: make that one a plain graph.
     compiled = _compile_per_replica(self, step_function)
     return _with_jit_off(
-        self,
-        lambda: _batch_in_graph(self, original(self, compiled), compiled),
+        self, lambda: _batch_in_graph(self, original(self, compiled), compiled)
     )
 
 

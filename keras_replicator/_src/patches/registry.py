@@ -221,9 +221,7 @@ def install(names: Iterable[str]) -> None:
                 here = vars(target.owner).get(target.name, _MISSING)
                 original = getattr(target.owner, target.name, None)
                 setattr(
-                    target.owner,
-                    target.name,
-                    _bind(target.function, original),
+                    target.owner, target.name, _bind(target.function, original)
                 )
                 saved.append((target, here, original))
             _installed[name] = saved
@@ -265,8 +263,7 @@ def original(owner: Any, name: str) -> Any:
 
 
 def check_pins(
-    found: dict[str, str] | None = None,
-    checked: Iterable[Patch] | None = None,
+    found: dict[str, str] | None = None, checked: Iterable[Patch] | None = None
 ) -> None:
     """Accepts a newer TensorFlow or Keras only if every patch pin holds.
 

@@ -96,11 +96,7 @@ class AsyncReplicator(
     # Keras' fit/evaluate/predict loops (patches/trainer_loops.py).
     keras_loops = async_training
 
-    def __init__(
-        self,
-        cluster: Any = None,
-        variable_partitioner: Any = None,
-    ):
+    def __init__(self, cluster: Any = None, variable_partitioner: Any = None):
         resolver, config = cluster_lib.resolve(cluster)
         check_async_cluster(config)
         partitioner = _partitioner(variable_partitioner, config)

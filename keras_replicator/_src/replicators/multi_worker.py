@@ -178,10 +178,7 @@ class MultiWorkerReplicator(
         if len(leaves) == 1 and leaves[0] is value:
             return parent.reduce(reduce_op, value, _leaf_axis(value, axis))
         reduced = collectives.reduce_scalars(
-            parent.reduce,
-            reduce_op,
-            leaves,
-            len(self.extended.worker_devices),
+            parent.reduce, reduce_op, leaves, len(self.extended.worker_devices)
         )
         for i, leaf in enumerate(leaves):
             if reduced[i] is None:

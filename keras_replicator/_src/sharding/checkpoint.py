@@ -398,8 +398,7 @@ def load(model, directory, *, verify=True) -> dict:
             variable.assign(reader.read(begin, shape))
             continue
         sharded.assign_blocks(
-            variable,
-            lambda r, rd=reader, b=boxes: rd.read(*b[r]),
+            variable, lambda r, rd=reader, b=boxes: rd.read(*b[r])
         )
     return index["metadata"]
 

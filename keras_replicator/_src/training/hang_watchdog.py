@@ -453,8 +453,7 @@ def _update_backstop(disarm: bool = False) -> None:
 def warn_seconds(seconds: float, slowest: float) -> float:
     """When the stall warning comes, for a timeout and the slowest step."""
     return min(
-        seconds / 2,
-        max(_WARN_FLOOR_SECONDS, _WARN_SLOWEST_FACTOR * slowest),
+        seconds / 2, max(_WARN_FLOOR_SECONDS, _WARN_SLOWEST_FACTOR * slowest)
     )
 
 
