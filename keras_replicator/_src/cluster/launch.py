@@ -23,6 +23,7 @@ system's, without Keras, in a shell where the venv is not active
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -290,7 +291,7 @@ def launch(
     if note:
         print(note, file=sys.stderr, flush=True)
     out = out or sys.stdout
-    lock = threading.Lock()
+    say = functools.partial(_print, out, threading.Lock())
     received: list[int] = []
     with (
         reaper_lib.Reaper() as reaper,
@@ -313,9 +314,7 @@ def launch(
                 return code
             if clash.is_set() and clashes + 1 < _PORT_ATTEMPTS:
                 clashes += 1
-                _print(
-                    out,
-                    lock,
+                say(
                     "[launch] another process took a worker's port before "
                     "it bound it; starting all workers again on new ports "
                     f"({clashes + 1} of {_PORT_ATTEMPTS})",
@@ -323,9 +322,7 @@ def launch(
                 continue
             if restarts < max_restarts:
                 restarts += 1
-                _print(
-                    out,
-                    lock,
+                say(
                     f"[launch] a worker exited with code {code}; starting "
                     "all workers again on new ports (restart "
                     f"{restarts} of {max_restarts})",
@@ -466,7 +463,7 @@ def _launch_once(
             for i in range(workers)
         ]
     )
-    lock = threading.Lock()
+    say = functools.partial(_print, out, threading.Lock())
     clash = threading.Event()
     # Worker index -> the signal it received itself (what `_pump` read).
     signaled: dict[int, str] = {}
@@ -495,8 +492,7 @@ def _launch_once(
                 args=(
                     proc.stdout,
                     "" if name is None else f"[{name}] ",
-                    out,
-                    lock,
+                    say,
                     clash,
                     tf_logs.StartupLogFilter() if quiet else None,
                     signaled,
@@ -509,10 +505,10 @@ def _launch_once(
         # Under parameter servers the chief's exit ends the run: servers
         # never exit, and a dead worker's steps move to the others.
         code, preempted = _wait_all(
-            procs[:1] if ps else procs, out, lock, received, procs, signaled
+            procs[:1] if ps else procs, say, received, procs, signaled
         )
     except KeyboardInterrupt:
-        _print(out, lock, "[launch] interrupted; ending all workers")
+        say("[launch] interrupted; ending all workers")
         code = 130
     finally:
         _end_all(procs)
@@ -553,8 +549,7 @@ def _raise_interrupt(signum, frame):
 def _pump(
     stream,
     prefix,
-    out,
-    lock,
+    say,
     clash: threading.Event,
     startup: tf_logs.StartupLogFilter | None,
     signaled: dict[int, str] | None = None,
@@ -584,7 +579,7 @@ def _pump(
             if named:
                 signaled.setdefault(int(named[1]), found[1])
         if startup is None or startup.keep(_WORKER_PREFIX.sub("", line)):
-            _print(out, lock, prefix + line)
+            say(prefix + line)
     stream.close()
 
 
@@ -600,22 +595,20 @@ def _exit_code(returncode: int) -> int:
 
 
 def _wait_all(
-    procs, out, lock, received, everyone, signaled=None
+    procs, say, received, everyone, signaled=None
 ) -> tuple[int, bool]:
     """Waits for `procs`; returns the exit code and whether preempted."""
     while True:
         if received:
             name = preemption.signal_name(received[0])
-            _print(
-                out,
-                lock,
+            say(
                 f"[launch] received {name}; forwarding it to every worker, "
                 f"which save and exit (at most {PREEMPT_GRACE_SECONDS:.0f} "
                 "s)",
             )
             for proc in everyone:
                 _signal_group(proc, received[0])
-            return _wait_preempted(procs, out, lock), True
+            return _wait_preempted(procs, say), True
         running = False
         for index, proc in enumerate(procs):
             code = proc.poll()
@@ -625,12 +618,10 @@ def _wait_all(
                 # Every worker exits so once they agree; the first out need
                 # not be the one signalled, whose own line names it (`_pump`).
                 _wait_for_exits(procs, _SIGNALED_LINE_SECONDS)
-                _print(out, lock, _preempted_line(index, code, signaled))
-                return _wait_preempted(procs, out, lock), True
+                say(_preempted_line(index, code, signaled))
+                return _wait_preempted(procs, say), True
             elif code == hang_watchdog.EXIT_CODE:
-                _print(
-                    out,
-                    lock,
+                say(
                     f"[launch] worker {index} was ended by the hang watchdog "
                     f"(exit code {code}; its stacks are above); the others "
                     f"get {HANG_GRACE_SECONDS:.0f} s to print theirs, then "
@@ -639,9 +630,7 @@ def _wait_all(
                 _wait_for_exits(procs, HANG_GRACE_SECONDS)
                 return code, False
             elif code != 0:
-                _print(
-                    out,
-                    lock,
+                say(
                     f"[launch] worker {index} exited with code "
                     f"{_exit_code(code)}; ending the other workers",
                 )
@@ -678,15 +667,13 @@ def _wait_for_exits(procs, seconds: float) -> None:
         time.sleep(0.1)
 
 
-def _wait_preempted(procs, out, lock) -> int:
+def _wait_preempted(procs, say) -> int:
     """Gives preempted workers the grace period; their common exit code."""
     _wait_for_exits(procs, PREEMPT_GRACE_SECONDS)
     codes = []
     for index, proc in enumerate(procs):
         if proc.poll() is None:
-            _print(
-                out,
-                lock,
+            say(
                 f"[launch] worker {index} did not exit within "
                 f"{PREEMPT_GRACE_SECONDS:.0f} s; killing it",
             )
