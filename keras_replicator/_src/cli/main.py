@@ -9,6 +9,7 @@ load it, hiding its C++ start-up logs unless `--verbose` or
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -265,12 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Subcommands' parsers do not inherit the formatter: each is given it.
     sub = parser.add_subparsers(dest="command", required=True)
+    add = functools.partial(sub.add_parser, formatter_class=_DefaultsFormatter)
 
-    demo = sub.add_parser(
-        "demo",
-        help="train a small ResNet on digits, 1 vs N replicas",
-        formatter_class=_DefaultsFormatter,
-    )
+    demo = add("demo", help="train a small ResNet on digits, 1 vs N replicas")
     demo.add_argument(
         "--replicas",
         type=_positive_int,
@@ -289,10 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(demo, "of this process")
     demo.set_defaults(func=_demo)
 
-    env = sub.add_parser(
+    env = add(
         "env",
         help="show what auto() picks here, and why",
-        formatter_class=_DefaultsFormatter,
         description="Shows the TensorFlow and Keras versions, the devices "
         "and what kr.auto() picks here, and why. Quick: TensorFlow is "
         "imported only when a GPU may be here (NVIDIA or ROCm driver "
@@ -308,10 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(env, "of this process, when it imports TensorFlow")
     env.set_defaults(func=_env)
 
-    launch = sub.add_parser(
+    launch = add(
         "launch",
         help="run a command as N local workers with TF_CONFIG on loopback",
-        formatter_class=_DefaultsFormatter,
         description="Starts N local worker processes of one cluster, each "
         "with TF_CONFIG on free 127.0.0.1 ports, prefixes their output with "
         "the worker's name, ends all when one fails (exiting with its "
@@ -383,10 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.set_defaults(func=_launch)
 
-    convert = sub.add_parser(
+    convert = add(
         "checkpoint",
         help="convert a sharded checkpoint to a .weights.h5 file, or back",
-        formatter_class=_DefaultsFormatter,
     )
     convert.add_argument("direction", choices=("to-weights", "from-weights"))
     convert.add_argument(
@@ -405,10 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verbose(convert, "of this process")
     convert.set_defaults(func=_checkpoint)
 
-    tf_config = sub.add_parser(
-        "tf-config",
-        help="print the TF_CONFIG of one task of a cluster",
-        formatter_class=_DefaultsFormatter,
+    tf_config = add(
+        "tf-config", help="print the TF_CONFIG of one task of a cluster"
     )
     tf_config.add_argument(
         "--hosts",
