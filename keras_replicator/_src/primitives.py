@@ -66,13 +66,12 @@ def all_reduce(value: TensorTree, op: str = "sum") -> TensorTree:
     ctx = _replica_context("all_reduce")
     if ctx is None:
         return _symbolic(value)
+    flat = [_local(v) for v in tf.nest.flatten(value)]
     if op in ("sum", "mean"):
-        flat = [_local(v) for v in tf.nest.flatten(value)]
         return tf.nest.pack_sequence_as(
             value, collectives.all_reduce(ctx, op, flat)
         )
     reduce_fn = tf.reduce_max if op == "max" else tf.reduce_min
-    flat = [_local(v) for v in tf.nest.flatten(value)]
     # Stack each replica's value on a new axis 0, then reduce over it.
     gathered = ctx.all_gather([tf.expand_dims(v, 0) for v in flat], axis=0)
     return tf.nest.pack_sequence_as(
@@ -164,7 +163,8 @@ def all_gather(value: TensorTree, axis: int = 0) -> TensorTree:
             f"of type {type(axis).__name__}"
         )
     ctx = _replica_context("all_gather")
-    flat = [_at_least_1d(v) for v in tf.nest.flatten(value)]
+    flat = [_local(v) for v in tf.nest.flatten(value)]
+    flat = [tf.reshape(v, [1]) if v.shape.rank == 0 else v for v in flat]
     if ctx is None:
         n = tf.distribute.get_strategy().num_replicas_in_sync
         gathered = [tf.concat([v] * n, axis=axis) for v in flat]
@@ -282,11 +282,6 @@ def _local(value) -> tf.Tensor:
     device and batch reduction fails ("destinations can not be empty").
     """
     return tf.identity(value)
-
-
-def _at_least_1d(value) -> tf.Tensor:
-    value = _local(value)
-    return tf.reshape(value, [1]) if value.shape.rank == 0 else value
 
 
 def _summable(value: tf.Tensor) -> tf.Tensor:
