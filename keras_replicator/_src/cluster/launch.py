@@ -290,8 +290,7 @@ def launch(
     command, note = prepare_command(command, swap_python)
     if note:
         print(note, file=sys.stderr, flush=True)
-    out = out or sys.stdout
-    say = functools.partial(_print, out, threading.Lock())
+    say = functools.partial(_print, out or sys.stdout, threading.Lock())
     received: list[int] = []
     with (
         reaper_lib.Reaper() as reaper,
@@ -304,7 +303,7 @@ def launch(
                 workers,
                 replicas_per_worker,
                 ps,
-                out,
+                say,
                 received,
                 reaper,
                 quiet,
@@ -437,7 +436,7 @@ def _launch_once(
     workers,
     replicas_per_worker,
     ps,
-    out,
+    say,
     received,
     reaper,
     quiet,
@@ -463,7 +462,6 @@ def _launch_once(
             for i in range(workers)
         ]
     )
-    say = functools.partial(_print, out, threading.Lock())
     clash = threading.Event()
     # Worker index -> the signal it received itself (what `_pump` read).
     signaled: dict[int, str] = {}
