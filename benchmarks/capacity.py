@@ -40,6 +40,13 @@ layers, hidden 1024, 8 heads of 128, MLP 4096), laid out by
 `kr.auto_layout_map(mesh)` (`--auto` with `--model gemma` replaces
 Gemma's own map by it too).
 
+`--hub-config key=value,...` overrides the keras-hub config (integers),
+for example issue 59's Gemma of 117.5M parameters: `--model gemma
+--hub-config vocabulary_size=32768,num_layers=8,intermediate_dim=4096`.
+`--transport mpi` runs the N > 1 processes under `mpiexec -n N` (the one
+beside this Python) with `KERAS_REPLICATOR_TRANSPORT=mpi`, one device each;
+the default is `grpc` (`keras-replicator launch`).
+
 Last stage: `save` (every process calls `save_weights` with one path; the
 chief gathers and writes one variable at a time, the others join the
 gathers).
@@ -222,13 +229,13 @@ def _save(model, args, stage):
     stage("save")
 
 
-def _save_preset(directory, name):
+def _save_preset(directory, name, overrides):
     """Process of its own: a model from its config, saved as a preset."""
     import keras
 
     backbone_class, lm_class, config = _hub_classes(name)
     keras.utils.set_random_seed(0)
-    backbone = backbone_class(**config)
+    backbone = backbone_class(**{**config, **overrides})
     model = lm_class(backbone=backbone, preprocessor=None)
     model.save_to_preset(directory)
 
@@ -256,6 +263,12 @@ def _run(args, workers, verify=False):
         "--save-dir",
         str(args.save_dir),
     ]
+    if args.transport == "mpi" and workers > 1:
+        env = {
+            "KERAS_REPLICATOR_TRANSPORT": "mpi",
+            "KERAS_REPLICATOR_CPU_REPLICAS": "1",
+        }
+        return run_processes(command, workers, mpiexec=True, env=env)
     return run_processes(command, workers)
 
 
@@ -283,14 +296,32 @@ def main():
         "allocator, TF_CPU_ALLOCATOR_USE_BFC=true, in every process)",
     )
     parser.add_argument("--save-preset", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--hub-config",
+        default="",
+        help="key=value,... integers overriding the keras-hub model's config",
+    )
+    parser.add_argument("--transport", choices=("grpc", "mpi"), default="grpc")
     args = parser.parse_args()
+    try:
+        overrides = {
+            key: int(value)
+            for key, value in (
+                item.split("=") for item in args.hub_config.split(",") if item
+            )
+        }
+    except ValueError:
+        parser.error(
+            "--hub-config takes key=value pairs of integers, comma-separated. "
+            f"Received: --hub-config {args.hub_config}"
+        )
     if args.model in ("mistral", "gemma3") and not args.auto:
         parser.error(
             f"keras-hub's {args.model} has no layout map: pass --auto. "
             f"Received: --model {args.model}"
         )
     if args.save_preset:
-        _save_preset(args.save_preset, args.model)
+        _save_preset(args.save_preset, args.model, overrides)
         return
     if args.tensors:
         # Read by TensorFlow when it starts, in every process.
@@ -313,6 +344,8 @@ def main():
                     args.preset,
                     "--model",
                     args.model,
+                    "--hub-config",
+                    args.hub_config,
                     *(["--auto"] if args.auto else []),
                 ],
                 check=True,

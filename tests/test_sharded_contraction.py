@@ -520,6 +520,8 @@ def test_the_path_is_chosen_by_bytes(policy, moves, chosen):
         ("arrays", "traced"),
         # As keras-hub's tasks feed arrays: batched, mapped, prefetched.
         ("batched", "traced"),
+        # Rows the element spec fixes, past a transformation not followed.
+        ("fixed_rows", "traced"),
         ("unknown", "graph"),
     ],
 )
@@ -539,6 +541,12 @@ def test_a_known_global_batch_chooses_the_path_when_traced(data, when, chosen):
             .batch(16)
             .map(lambda a, b: (a, b), num_parallel_calls=tf.data.AUTOTUNE)
             .prefetch(2),
+        )
+    elif data == "fixed_rows":
+        inputs = (
+            tf.data.Dataset.from_tensor_slices((x, x))
+            .batch(16, drop_remainder=True)
+            .apply(tf.data.experimental.assert_cardinality(2)),
         )
     else:
         # A transformation the hint does not follow: an unknown batch.

@@ -122,6 +122,15 @@ _BATCHES = frozenset({"_BatchDataset", "_ParallelBatchDataset"})
 
 
 def _dataset_batch(dataset) -> int | None:
+    # Every element's rows, where its spec fixes them (`from_tensors`,
+    # `batch(n, drop_remainder=True)`).
+    rows = {
+        spec.shape[0]
+        for spec in tf.nest.flatten(dataset.element_spec)
+        if getattr(spec, "shape", None) is not None and spec.shape.rank
+    }
+    if len(rows) == 1 and None not in rows:
+        return rows.pop()
     for _ in range(64):
         kind = type(dataset).__name__
         if kind in _BATCHES:
