@@ -249,13 +249,18 @@ def test_model_parallel_bias_layers_predict_one_devices_bits(layer):
         }[layer]
         model = keras.Sequential([keras.Input((512,)), make(0), make(1)])
         x = np.random.default_rng(0).normal(size=(64, 512)).astype("float32")
-        return model.predict(x, batch_size=64, verbose=0)
+        return model, model.predict(x, batch_size=64, verbose=0)
 
-    reference = predictions()
+    _, reference = predictions()
     keras.distribution.set_distribution(
         helpers.model_parallel((1, 4), {r".*/d\d/kernel": (None, "model")})
     )
-    np.testing.assert_array_equal(predictions(), reference)
+    model, got = predictions()
+    # Sharded as laid out, not one device's fall-back.
+    assert kr.shard_shapes(model.get_layer("d0").kernel) == {
+        f"cpu:{i}": (512, 128) for i in range(4)
+    }
+    np.testing.assert_array_equal(got, reference)
 
 
 def test_embedding_is_sharded_as_laid_out_on_every_device():
