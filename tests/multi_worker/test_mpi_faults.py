@@ -54,7 +54,8 @@ def test_a_killed_rank_ends_the_mpi_job_with_no_process_left(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_hang_watchdog_ends_an_mpi_job_blocked_in_mpi(tmp_path):
     # Rank 1 blocks forever in Python at step 10; rank 0 waits for it in
-    # its next MPI collective, where its watchdog finds it.
+    # its next MPI collective, where its watchdog finds it (rank 1's own
+    # waits longer, so the two do not race).
     run = harness.Background(
         [*harness.mpiexec_command(2), str(WORKER), str(tmp_path / "backup")],
         tmp_path,
@@ -64,6 +65,7 @@ def test_the_hang_watchdog_ends_an_mpi_job_blocked_in_mpi(tmp_path):
                 env_names.HANG_SECONDS: "8",
                 "PREEMPT_MARK_STEP": "10",
                 "PREEMPT_HANG_ONCE": str(tmp_path / "blocked"),
+                "PREEMPT_HANG_PEER_FIRST": "1",
             }
         ),
     )

@@ -19,6 +19,10 @@ environment adds test instrumentation:
 - `PREEMPT_HANG_ONCE`: a path; worker 1 blocks forever in Python (a
   callback that never returns) at the mark step if the path does not
   exist yet (and creates it).
+- `PREEMPT_HANG_PEER_FIRST`: "1": with `PREEMPT_HANG_ONCE`, worker 1's own
+  hang watchdog waits three times `KERAS_REPLICATOR_HANG_SECONDS`, so that
+  the watchdog that ends the job is worker 0's, blocked in its next
+  collective (else the two race: both stop within a step of each other).
 - `PREEMPT_SLOW_TRACE`: seconds; worker 0 sleeps that long while its train
   step, and its test step, are traced (the first step of fit and of
   validation).
@@ -67,6 +71,10 @@ hang_once = os.environ.get("PREEMPT_HANG_ONCE")
 slow_trace = float(os.environ.get("PREEMPT_SLOW_TRACE", "0"))
 slow_save = float(os.environ.get("PREEMPT_SLOW_SAVE", "0"))
 index = harness.task_index()
+if hang_once and index == 1 and os.environ.get("PREEMPT_HANG_PEER_FIRST"):
+    os.environ["KERAS_REPLICATOR_HANG_SECONDS"] = str(
+        3 * float(os.environ["KERAS_REPLICATOR_HANG_SECONDS"])
+    )
 
 model = ref.build(replicator)
 inputs = ref.fit_inputs(os.environ.get("PREEMPT_DATA", "arrays"), replicator)
