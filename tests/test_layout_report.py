@@ -168,7 +168,7 @@ def test_a_large_moe_weight_no_key_matches_warns(caplog):
     (warning,) = [
         r.getMessage() for r in caplog.records if "layout" in r.message
     ]
-    assert "/moe/experts (8, 256, 256) (2.0 MB)" in warning
+    assert "/moe/experts (8, 256, 256) (2.0 MiB)" in warning
     assert "stay whole on every device" in warning
 
 

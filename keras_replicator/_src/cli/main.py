@@ -88,7 +88,7 @@ def _versions() -> str:
     return f"tensorflow {tensorflow}, keras {keras}"
 
 
-def _devices(possible: str | None) -> str:
+def _devices() -> str:
     """The `devices:` line: TensorFlow's list, or why it was not asked."""
     if "tensorflow" in sys.modules:
         import tensorflow as tf
@@ -130,7 +130,7 @@ def _env(args: argparse.Namespace) -> int:
         print(f"keras-replicator env: error: {e}", file=sys.stderr)
         return 2
     print(_versions())
-    print(f"devices: {_devices(possible)}")
+    print(f"devices: {_devices()}")
     launched = discovery.detect()
     if launched is not None and "TF_CONFIG" not in os.environ:
         # Under mpiexec every rank runs this, so the exchange completes.

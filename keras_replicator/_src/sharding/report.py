@@ -266,7 +266,7 @@ def warn_once(model: Any, large_bytes: int = LARGE_BYTES) -> None:
         )
     whole = [r for r in report.rows if r.block == r.shape]
     large = [
-        f"{r.path} {r.shape} ({r.bytes_per_device / 2**20:.1f} MB)"
+        f"{r.path} {r.shape} ({r.bytes_per_device / 2**20:.1f} MiB)"
         for r in whole
         if r.key is None
         and not r.optimizer
