@@ -85,7 +85,9 @@ def choose() -> Choice:
 def auto() -> tf.distribute.Strategy:
     """Creates the best replicator for this machine.
 
-    TPU > TF_CONFIG/Slurm cluster > local GPUs > CPU replicas. Run
+    TPU > TF_CONFIG/Slurm cluster > local GPUs > CPU replicas. A cluster
+    with `ps` tasks gets an `AsyncReplicator` (parameter servers, training
+    coordinated by the chief); one without, a `MultiWorkerReplicator`. Run
     `keras-replicator env` to see what it picks here, and why.
 
     Returns:
