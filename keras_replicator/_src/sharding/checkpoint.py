@@ -240,7 +240,6 @@ def save(
     Raises:
         TypeError: If `metadata` is not JSON-serialisable, or `step` is not
             an integer.
-        ValueError: If two variables share a path.
     """
     metadata = {} if metadata is None else metadata
     try:
