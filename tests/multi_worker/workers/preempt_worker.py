@@ -58,6 +58,7 @@ else:
 
 import keras  # noqa: E402
 
+from keras_replicator._src.core import env as env_names  # noqa: E402
 from tests.multi_worker import harness  # noqa: E402
 from tests.multi_worker import preempt_reference as ref  # noqa: E402
 
@@ -72,8 +73,8 @@ slow_trace = float(os.environ.get("PREEMPT_SLOW_TRACE", "0"))
 slow_save = float(os.environ.get("PREEMPT_SLOW_SAVE", "0"))
 index = harness.task_index()
 if hang_once and index == 1 and os.environ.get("PREEMPT_HANG_PEER_FIRST"):
-    os.environ["KERAS_REPLICATOR_HANG_SECONDS"] = str(
-        3 * float(os.environ["KERAS_REPLICATOR_HANG_SECONDS"])
+    os.environ[env_names.HANG_SECONDS] = str(
+        3 * float(os.environ[env_names.HANG_SECONDS])
     )
 
 model = ref.build(replicator)
