@@ -200,6 +200,12 @@ class _Rows:
     and values per row (none if `exchange` is false: the kernel moves). Rows
     travel as equal flat pieces, so other trailing dimensions on one replica
     (a custom loop's padding) fail on every replica rather than misplace.
+
+    Each op a product adds is graph the process holds (about 11 KB of RSS a
+    node, `benchmarks/RESULTS.md`), once per replica: shapes known when
+    traced stay constants, a tensor is cut into the replicas' blocks by one
+    `Split` per axis and an all-to-all's result unstacked once, and what
+    only a backward pass reads is made there.
     """
 
     def __init__(self, ctx, placement, rows, row_size, exchange=True):
@@ -218,14 +224,16 @@ class _Rows:
         meta = collectives.all_gather_equal(
             ctx, tf.stack([tf.cast(rows, tf.float32), self.weight, row_size])
         )
-        meta = tf.reshape(meta, [self.replicas, 3])
+        self._meta = tf.reshape(meta, [self.replicas, 3])
+        counts, weights, sizes = tf.unstack(self._meta, axis=1)
+        self._weights = weights
         # Not `tf.debugging.assert_*`: `tf.function` runs stateful ops
         # without a resource input (an `Assert`) in traced order across
         # replicas, so replica 1's check would wait for ops replica 0 traced
         # after its gathers, which wait for replica 1's: a deadlock.
         # `EnsureShape` is stateless; its input, named for the error, has one
         # value where any replica's rows differ.
-        differ = tf.reduce_any(tf.not_equal(meta[:, 2], row_size))
+        differ = tf.reduce_any(tf.not_equal(sizes, row_size))
         check = tf.ensure_shape(
             tf.fill(
                 tf.reshape(tf.cast(differ, tf.int32), [1]),
@@ -235,19 +243,26 @@ class _Rows:
             [0],
         )
         # Read (an empty sum: 0), so the rows wait for it.
-        self.counts = tf.cast(meta[:, 0] + tf.reduce_sum(check), tf.int32)
+        self.counts = tf.cast(counts + tf.reduce_sum(check), tf.int32)
         # At least one row: TensorFlow's CPU all-to-all fails on no values.
         self.most = tf.maximum(tf.reduce_max(self.counts), 1)
-        # Per gathered row: its replica's gradient weight; not padding.
-        self.row_weights = tf.repeat(meta[:, 1], self.most)
-        self.valid = tf.reshape(
-            tf.range(self.most)[None, :] < self.counts[:, None], [-1]
+        self._padding = self.most - rows
+
+    def row_weights(self):
+        """Per gathered row: its replica's gradient weight."""
+        grid = tf.broadcast_to(
+            self._weights[:, None], tf.stack([self.replicas, self.most])
         )
+        return tf.reshape(grid, [-1])
+
+    def valid(self):
+        """Per gathered row: whether it is a row, not padding."""
+        grid = tf.range(self.most)[None, :] < self.counts[:, None]
+        return tf.reshape(grid, [-1])
 
     def _padded(self, t):
-        padding = [[0, self.most - tf.shape(t)[0]]] + [[0, 0]] * (
-            t.shape.rank - 1
-        )
+        """`t` (this replica's rows) padded with zeros to `most` rows."""
+        padding = [[0, self._padding]] + [[0, 0]] * (t.shape.rank - 1)
         return tf.pad(t, padding)
 
     def gather(self, t):
@@ -255,20 +270,17 @@ class _Rows:
         flat = collectives.all_gather_equal(
             self.ctx, tf.reshape(self._padded(t), [-1])
         )
-        return tf.reshape(
-            flat, tf.concat([[self.replicas * self.most], tf.shape(t)[1:]], 0)
-        )
+        return tf.reshape(flat, _shape([-1], t.shape[1:], t, 1))
 
-    def gather_cut(self, t, cut):
-        """`cut(self.gather(t), self.replica)`, each replica sent its cut.
+    def gather_cut(self, t, slices):
+        """This replica's block of `self.gather(t)`, each replica sent its cut.
 
-        `cut(t, replica)`: replica `replica`'s block of `t`'s columns. One
-        all-to-all: 1/N of what a gather moves.
+        `slices(r)`: `(axis, begin, size, full)` of replica `r`'s block of
+        `t`'s columns. One all-to-all: 1/N of what a gather moves.
         """
-        padded = self._padded(t)
-        pieces = tf.stack([cut(padded, r) for r in range(self.replicas)])
+        pieces = tf.stack(_blocks(self._padded(t), slices, self.replicas))
         got = collectives.all_to_all_equal(self.ctx, pieces)
-        merged = tf.reshape(got, tf.concat([[-1], tf.shape(got)[2:]], 0))
+        merged = tf.reshape(got, _shape([-1], got.shape[2:], got, 2))
         merged.set_shape([None, *got.shape[2:]])
         return merged
 
@@ -285,10 +297,12 @@ class _Rows:
         they tile the output, else summed in replica order in `part`'s dtype.
         """
         pieces = tf.reshape(
-            part, tf.concat([[self.replicas, self.most], tf.shape(part)[1:]], 0)
+            part, _shape([self.replicas, -1], part.shape[1:], part, 1)
         )
         pieces.set_shape([self.replicas, None, *part.shape[1:]])
-        got = collectives.all_to_all_equal(self.ctx, pieces)
+        got = tf.unstack(
+            collectives.all_to_all_equal(self.ctx, pieces), self.replicas
+        )
         split = {
             r: [s for s in slices(r) if s[2] != s[3]] for r in self.primaries
         }
@@ -312,8 +326,44 @@ class _Rows:
     def weighted(self, t):
         """`t`'s gathered rows times their replica's weight (16-bit: in f32)."""
         wire = _wire(t.dtype)
-        weights = tf.cast(self.per_row(self.row_weights, t), wire)
+        weights = tf.cast(self.per_row(self.row_weights(), t), wire)
         return tf.cast(tf.cast(t, wire) * weights, t.dtype)
+
+
+def _shape(lead, trailing, t, start):
+    """`lead` then `trailing` dimensions: constants where known when traced.
+
+    `trailing` are `t`'s static dimensions from `start`; where one is
+    unknown, they are read from `tf.shape(t)` in the graph.
+    """
+    if trailing.is_fully_defined():
+        return [*lead, *trailing.as_list()]
+    return tf.concat([lead, tf.shape(t)[start:]], 0)
+
+
+def _blocks(t, slices, replicas) -> list:
+    """Every replica's block of `t`: `slices(r)` as in `_Rows.gather_cut`.
+
+    Blocks tile each split axis in equal parts, so one `Split` per axis (and
+    per block of the axes before it) cuts them all, not a slice a replica.
+    """
+    found = {(): t}
+    splits = {}
+    out = []
+    for r in range(replicas):
+        key = ()
+        for axis, start, size, whole in slices(r):
+            if size == whole:
+                continue
+            parent, key = key, (*key, (axis, start))
+            if key not in found:
+                if (parent, axis) not in splits:
+                    splits[parent, axis] = tf.split(
+                        found[parent], whole // size, axis
+                    )
+                found[key] = splits[parent, axis][start // size]
+        out.append(found[key])
+    return out
 
 
 def contract(
@@ -388,7 +438,10 @@ def contract(
     else:
         moving = False
     # Where the kernel moves (chosen when traced), no row counts gather.
-    row_size = tf.reduce_prod(tf.shape(x)[1:])
+    if x.shape[1:].is_fully_defined():
+        row_size = math.prod(x.shape[1:])
+    else:
+        row_size = tf.reduce_prod(tf.shape(x)[1:])
     mesh = _Rows(
         ctx, placement, tf.shape(x)[0], row_size, exchange=moving is not False
     )
@@ -421,7 +474,7 @@ def contract(
         """Every replica's rows of `t`, cut to this replica's block."""
         if not split(axis_labels):
             return mesh.gather(t)
-        return mesh.gather_cut(t, lambda t, r: cut(t, axis_labels, r))
+        return mesh.gather_cut(t, lambda r: slices(axis_labels, r))
 
     def summed(part, axis_labels):
         """This replica's rows of the replicas' parts, summed."""
@@ -585,11 +638,9 @@ def lookup(variable: Any, ids: Any, ctx) -> tf.Tensor | None:
             else:
                 dy_all = mesh.gather_cut(
                     dy,
-                    lambda t, r: _slice(
-                        t, t.shape.rank - 1, placement.begin(r)[1], h_local
-                    ),
+                    lambda r: [(last, placement.begin(r)[1], h_local, hidden)],
                 )
-            keep = tf.logical_and(inside, mesh.per_row(mesh.valid, inside))
+            keep = tf.logical_and(inside, mesh.per_row(mesh.valid(), inside))
             keep = tf.reshape(keep, [-1])
             values = tf.boolean_mask(
                 tf.reshape(mesh.weighted(dy_all), [-1, h_local]), keep
