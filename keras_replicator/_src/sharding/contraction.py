@@ -224,8 +224,9 @@ class _Rows:
         meta = collectives.all_gather_equal(
             ctx, tf.stack([tf.cast(rows, tf.float32), self.weight, row_size])
         )
-        self._meta = tf.reshape(meta, [self.replicas, 3])
-        counts, weights, sizes = tf.unstack(self._meta, axis=1)
+        counts, weights, sizes = tf.unstack(
+            tf.reshape(meta, [self.replicas, 3]), axis=1
+        )
         self._weights = weights
         # Not `tf.debugging.assert_*`: `tf.function` runs stateful ops
         # without a resource input (an `Assert`) in traced order across
@@ -464,8 +465,8 @@ def contract(
                 out.append((axis, start[d], local[d], full[d]))
         return out
 
-    def cut(t, axis_labels, replica=None):
-        for axis, start, size, whole in slices(axis_labels, replica):
+    def cut(t, axis_labels):
+        for axis, start, size, whole in slices(axis_labels):
             if size != whole:
                 t = _slice(t, axis, start, size)
         return t
